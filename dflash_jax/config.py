@@ -1,0 +1,295 @@
+"""Frozen model configs: the Qwen3.5/3.6 hybrid target and the DFlash drafter.
+
+Each config is built by one function per source: `target_config_from_hf` / `draft_config_from_hf` read an HF-style
+config.json (the format of `configs/*.json`), and `dflash_jax.gguf.target_config_from_gguf` reads GGUF metadata.
+Field meanings follow specs/qwen35_gguf.md §1 and specs/dflash_ddtree.md §1.2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+class ConfigError(ValueError):
+    """A config file or dict that does not describe a supported model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Shape and hyper-parameters of a Qwen3.5/3.6 hybrid target (Gated DeltaNet + gated full attention)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # main-model layers; MTP blocks are counted in num_mtp_layers
+    layer_types: tuple[str, ...]  # one of FULL_ATTENTION / LINEAR_ATTENTION per layer
+    num_heads: int  # full-attention query heads
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_dim: int  # rotated dims per head (partial NeoX RoPE)
+    rope_sections: tuple[int, ...]  # mRoPE sections; for text they do not change the result
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_mtp_layers: int = 0
+
+    def __post_init__(self):
+        _check(len(self.layer_types) == self.num_layers,
+               f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        _check(not bad, f"unknown layer types {bad}; expected {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}")
+        _check(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+               f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        _check(self.linear_num_key_heads > 0 and self.linear_num_value_heads % self.linear_num_key_heads == 0,
+               f"linear value heads {self.linear_num_value_heads} are not a multiple of key heads "
+               f"{self.linear_num_key_heads}")
+        _check(0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0,
+               f"rope_dim {self.rope_dim} must be even and at most head_dim {self.head_dim}")
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def key_dim(self) -> int:
+        """Width of the GDN q (and k) projection: linear key heads x key head dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv: q, k and v together."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Shape and hyper-parameters of a z-lab DFlash drafter (Qwen3-style layers, KV-injected context)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]  # FULL_ATTENTION (bidirectional) or SLIDING_ATTENTION (causal in block, windowed)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    sliding_window: int | None
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs feed the context features
+    num_target_layers: int
+    max_position_embeddings: int
+
+    def __post_init__(self):
+        _check(len(self.layer_types) == self.num_layers,
+               f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        _check(not bad, f"unknown drafter layer types {bad}")
+        _check(SLIDING_ATTENTION not in self.layer_types or (self.sliding_window or 0) > 0,
+               "sliding_attention layers need a positive sliding_window")
+        _check(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+               f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        _check(self.block_size >= 2, f"block_size {self.block_size} must be at least 2")
+        _check(0 <= self.mask_token_id < self.vocab_size,
+               f"mask_token_id {self.mask_token_id} is outside the vocab of {self.vocab_size}")
+        _check(len(self.target_layer_ids) > 0
+               and all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
+               f"target_layer_ids {list(self.target_layer_ids)} must be in [0, {self.num_target_layers})")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _require(d: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{where}: missing required key {key!r}")
+    return d[key]
+
+
+def rope_sections(sections: Any) -> tuple[int, ...]:
+    """mRoPE sections padded to GGUF's four entries (HF configs list three, Ollama files too)."""
+    sections = tuple(int(s) for s in sections)
+    return sections + (0,) * (4 - len(sections))
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """z-lab's default taps: spaced uniformly from layer 1 to layer L-3 (specs/dflash_ddtree.md §1.1)."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+def _rope_params(d: Mapping[str, Any]) -> dict[str, Any]:
+    """rope_parameters (transformers 5) merged over the older rope_theta / rope_scaling keys."""
+    params: dict[str, Any] = {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if d.get(key) is not None:
+            params[key] = d[key]
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(d.get(key), Mapping):
+            params.update({k: v for k, v in d[key].items() if v is not None})
+    return params
+
+
+def target_config_from_hf(d: Mapping[str, Any], where: str = "config") -> TargetConfig:
+    """TargetConfig from an HF Qwen3.5 config dict (`Qwen3_5ForCausalLM`, or the text part of the VLM config)."""
+    if "text_config" in d:
+        tie = d.get("tie_word_embeddings")
+        d = {**d["text_config"], **({"tie_word_embeddings": tie} if tie is not None else {})}
+    model_type = d.get("model_type")
+    if model_type not in (None, "qwen3_5_text", "qwen3_5"):
+        raise ConfigError(f"{where}: model_type {model_type!r} is not a Qwen3.5/3.6 text model "
+                          f"(expected 'qwen3_5_text' or 'qwen3_5')")
+    num_layers = int(_require(d, "num_hidden_layers", where))
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        interval = int(d.get("full_attention_interval", 4))
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+    head_dim = int(d.get("head_dim", 256))
+    rope = _rope_params(d)
+    if rope.get("rope_type", "default") not in ("default", "mrope"):
+        raise ConfigError(f"{where}: rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
+    return TargetConfig(
+        vocab_size=int(_require(d, "vocab_size", where)),
+        hidden_size=int(_require(d, "hidden_size", where)),
+        intermediate_size=int(_require(d, "intermediate_size", where)),
+        num_layers=num_layers,
+        layer_types=tuple(layer_types),
+        num_heads=int(_require(d, "num_attention_heads", where)),
+        num_kv_heads=int(_require(d, "num_key_value_heads", where)),
+        head_dim=head_dim,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_dim=int(head_dim * float(rope.get("partial_rotary_factor", 0.25))),
+        rope_sections=rope_sections(rope.get("mrope_section", (11, 11, 10))),
+        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+        conv_kernel=int(d.get("linear_conv_kernel_dim", 4)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        num_mtp_layers=int(d.get("mtp_num_hidden_layers", 0) or 0),
+    )
+
+
+def target_config_to_hf(cfg: TargetConfig) -> dict[str, Any]:
+    """The HF `Qwen3_5TextConfig` dict for a TargetConfig (inverse of target_config_from_hf)."""
+    return {
+        "model_type": "qwen3_5_text",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "layer_types": list(cfg.layer_types),
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.rope_dim / cfg.head_dim,
+            "mrope_section": list(cfg.rope_sections[:3]),
+            "mrope_interleaved": True,
+        },
+        "linear_num_key_heads": cfg.linear_num_key_heads,
+        "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.conv_kernel,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "mtp_num_hidden_layers": cfg.num_mtp_layers,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }
+
+
+def draft_config_from_hf(d: Mapping[str, Any], where: str = "config") -> DraftConfig:
+    """DraftConfig from a z-lab DFlash config.json (`DFlashDraftModel`)."""
+    num_layers = int(_require(d, "num_hidden_layers", where))
+    layer_types = d.get("layer_types") or [FULL_ATTENTION] * num_layers
+    dflash = d.get("dflash_config") or {}
+    num_target_layers = int(_require(d, "num_target_layers", where))
+    taps = dflash.get("target_layer_ids")
+    if taps is None:
+        taps = default_target_layer_ids(num_target_layers, num_layers)
+    mask_token_id = dflash.get("mask_token_id", d.get("mask_token_id"))
+    if mask_token_id is None:
+        raise ConfigError(f"{where}: missing dflash_config.mask_token_id")
+    block_size = d.get("block_size", dflash.get("block_size"))
+    if block_size is None:
+        raise ConfigError(f"{where}: missing block_size")
+    hidden = int(_require(d, "hidden_size", where))
+    heads = int(_require(d, "num_attention_heads", where))
+    window = d.get("sliding_window")
+    return DraftConfig(
+        vocab_size=int(_require(d, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(d, "intermediate_size", where)),
+        num_layers=num_layers,
+        layer_types=tuple(layer_types),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads", heads)),
+        head_dim=int(d.get("head_dim") or hidden // heads),
+        rope_theta=float(_rope_params(d).get("rope_theta", 10000.0)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        sliding_window=int(window) if window is not None else None,
+        block_size=int(block_size),
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=tuple(int(i) for i in taps),
+        num_target_layers=num_target_layers,
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+    )
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON object from a file, with a clear error for a missing or malformed file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(d).__name__}")
+    return d
+
+
+def load_target_config(path: str | os.PathLike) -> TargetConfig:
+    """TargetConfig from an HF-style config.json (e.g. configs/qwen3.5-27b.json)."""
+    return target_config_from_hf(read_json(path), where=str(path))
+
+
+def load_draft_config(path: str | os.PathLike) -> DraftConfig:
+    """DraftConfig from a z-lab drafter config.json (e.g. configs/qwen3.5-27b-dflash.json)."""
+    return draft_config_from_hf(read_json(path), where=str(path))

@@ -1,0 +1,1 @@
+"""Helpers for building test data: reference GGUF quantizers."""

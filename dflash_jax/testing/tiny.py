@@ -1,0 +1,109 @@
+"""Tiny Qwen3.5 targets for tests: the 27B config shrunk, and seeded random HF weights (via transformers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig, load_target_config, target_config_to_hf
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+
+def tiny_target_config(num_layers: int = 4, interval: int = 4, **overrides: Any) -> TargetConfig:
+    """The Qwen3.5-27B config shrunk: same layer pattern and head ratios, tiny widths (overrides win)."""
+    big = load_target_config(os.path.join(CONFIG_DIR, "qwen3.5-27b.json"))
+    layer_types = tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
+    small = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=num_layers,
+                 layer_types=layer_types, num_heads=4, num_kv_heads=2, head_dim=64, rope_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=32,
+                 linear_value_head_dim=32, max_position_embeddings=4096, num_mtp_layers=0)
+    return dataclasses.replace(big, **{**small, **overrides})
+
+
+def random_hf_state_dict(cfg: TargetConfig, seed: int = 0, mtp: bool = False) -> dict[str, np.ndarray]:
+    """Seeded random float32 weights of a transformers Qwen3_5ForCausalLM with this config.
+
+    Norm weights, A_log and dt_bias are randomised too (HF initialises them to constants, which would hide
+    layout mistakes). With mtp, random `mtp.*` tensors of one MTP block are added (HF's model has no such module).
+    """
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    hf_cfg = target_config_to_hf(cfg)
+    hf_cfg.pop("model_type"), hf_cfg.pop("architectures")
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**hf_cfg))
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, p in model.state_dict().items():
+        x = p.detach().float().numpy().copy()
+        if name.endswith("norm.weight"):
+            x = x + rng.normal(0.0, 0.2, x.shape)  # zero-centred weights (+1 in GGUF), ones for the gated norm
+        elif name.endswith("A_log"):
+            x = rng.uniform(-1.0, 1.5, x.shape)
+        elif name.endswith("dt_bias"):
+            x = rng.normal(0.0, 1.0, x.shape)
+        out[name] = x.astype(np.float32)
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    if mtp:
+        prefix = f"model.layers.{cfg.full_attention_layers[0]}."
+        layer = {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)}
+        h = cfg.hidden_size
+        out.update({f"mtp.layers.0.{k}": rng.normal(0.0, 0.02, v.shape).astype(np.float32) for k, v in layer.items()})
+        out.update({
+            "mtp.fc.weight": rng.normal(0.0, 0.02, (h, 2 * h)).astype(np.float32),
+            "mtp.pre_fc_norm_embedding.weight": rng.normal(0.0, 0.2, h).astype(np.float32),
+            "mtp.pre_fc_norm_hidden.weight": rng.normal(0.0, 0.2, h).astype(np.float32),
+            "mtp.norm.weight": rng.normal(0.0, 0.2, h).astype(np.float32),
+        })
+    return out
+
+
+def random_gguf_tensors(cfg: TargetConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random float32 weights in GGUF conventions (norms around 1, ssm_a < 0), no torch needed."""
+    from dflash_jax.gguf import tensor_specs
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, spec in tensor_specs(cfg).items():
+        if spec.optional:
+            continue
+        if name.endswith("ssm_a"):
+            x = -np.exp(rng.uniform(-1.0, 1.5, spec.shape))
+        elif name.endswith("norm.weight"):
+            x = 1.0 + rng.normal(0.0, 0.2, spec.shape)
+        elif spec.kind == "dense":  # conv kernel and dt bias
+            x = rng.normal(0.0, 0.5, spec.shape)
+        else:
+            x = rng.normal(0.0, 1.0 / np.sqrt(spec.shape[-1]), spec.shape)
+        out[name] = x.astype(np.float32)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    """`python -m dflash_jax.testing.tiny --out FILE.gguf`: write a random tiny qwen35 GGUF (Q4_K_M types)."""
+    import logging
+
+    from absl import flags
+
+    from dflash_jax.testing.gguf_writer import write_gguf
+
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # gguf-py's per-file INFO lines
+    cfg = load_target_config(flags.FLAGS.config)
+    chosen = write_gguf(flags.FLAGS.out, random_gguf_tensors(cfg, flags.FLAGS.seed), cfg,
+                        name=f"random {os.path.basename(flags.FLAGS.config)} seed {flags.FLAGS.seed}")
+    print(f"wrote {flags.FLAGS.out}: {len(chosen)} tensors, random weights, config {flags.FLAGS.config}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("out", None, "Path of the GGUF file to write.", required=True)
+    flags.DEFINE_string("config", os.path.join(CONFIG_DIR, "tiny-qwen35.json"), "HF-style target config.json.")
+    flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
+    app.run(main)

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels of dflash-jax, each beside its jnp reference (quantized matmul, tree attention, gated delta rule)."""

@@ -1,0 +1,34 @@
+"""Shared test setup: fixture paths, the `gpu` marker, CPU-only JAX unless a GPU run is asked for."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must not look for hub kernels: no network here or in CI
+
+ROOT = Path(__file__).resolve().parents[1]
+# The reference fixtures live in ../shared/fixtures beside the checkout; a GPU run carries a copy in .fixtures/.
+FIXTURES = Path(os.environ.get("DFLASH_FIXTURES", ROOT.parent / "shared" / "fixtures"))
+if not FIXTURES.exists() and (ROOT / ".fixtures").exists():
+    FIXTURES = ROOT / ".fixtures"
+TINY = FIXTURES / "tiny-qwen35"
+TINY_GGUF = TINY / "model-q4_k_m.gguf"
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path() -> Path:
+    if not TINY_GGUF.exists():
+        pytest.skip(f"reference fixture {TINY_GGUF} is not present")
+    return TINY_GGUF
