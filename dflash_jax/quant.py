@@ -210,3 +210,15 @@ def dequantize(qt: QTensor) -> jax.Array:
         return _f32(qt.data["w"])
     fields = [jnp.asarray(qt.data[name]) for name, _, _ in fmt.fields]
     return _DEQUANT[qt.fmt](*fields).reshape(qt.shape)
+
+
+def take_rows(qt: QTensor, rows: jax.Array) -> QTensor:
+    """The QTensor of the given rows (e.g. the embedding rows of some token ids): [len(rows), in]."""
+    data = {name: jnp.take(jnp.asarray(x), rows, axis=0) for name, x in qt.data.items()}
+    return QTensor(data=data, fmt=qt.fmt, shape=(rows.shape[0], qt.shape[1]))
+
+
+def linear(x: jax.Array, w: QTensor | jax.Array) -> jax.Array:
+    """x [..., in] @ w.T for a weight [out, in] stored dense or quantized (reference: dequantize, then float32 dot)."""
+    dense = dequantize(w) if isinstance(w, QTensor) else jnp.asarray(w, jnp.float32)
+    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dense)

@@ -1,0 +1,1 @@
+"""The speculative decoding engine: decode state, tree building, the fused step and the generation loop."""

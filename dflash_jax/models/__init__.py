@@ -1,0 +1,1 @@
+"""Model definitions: the Qwen3.5/3.6 hybrid target and the DFlash drafter."""

@@ -1,0 +1,270 @@
+"""The Qwen3.5/3.6 hybrid target: prefill, tree verify and path commit over the decode state (specs/qwen35_gguf.md §2).
+
+Parameters are a pytree of QTensor matrices and float32 vectors in GGUF conventions (norms with +1 folded in,
+`ssm_a = -exp(A_log)`, value heads tiled: value head h reads key head h mod nk). Layers are plain functions of
+(params, inputs, state); nothing is stored in modules. A block of N tokens is described by `parents` (-1 = attached
+to the committed prefix; a chain is parent = i - 1): tokens sit at RoPE position `length + depth`, their KV at slots
+`length + index`, and each sees the committed keys plus its own ancestors (DESIGN.md "One step").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import FULL_ATTENTION, TargetConfig
+from dflash_jax.engine.state import TargetState
+from dflash_jax.quant import QTensor, dequantize, linear, take_rows
+from pallas_kernels import reference as ref
+
+# GGUF tensor name inside a block -> parameter name.
+LAYER_PARAMS = {
+    "attn_norm.weight": "attn_norm", "post_attention_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "attn_qkv.weight": "w_qkv", "attn_gate.weight": "w_z", "ssm_beta.weight": "w_beta",
+    "ssm_alpha.weight": "w_alpha", "ssm_a": "ssm_a", "ssm_dt.bias": "dt_bias", "ssm_conv1d.weight": "conv",
+    "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "w_out",
+}
+
+
+def params_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.ndarray]) -> dict:
+    """The parameter pytree from tensors by GGUF name (QTensor matrices, float32 dense); MTP blocks are dropped."""
+    layers = []
+    for i in range(cfg.num_layers):
+        prefix = f"blk.{i}."
+        layers.append({short: tensors[prefix + name] for name, short in LAYER_PARAMS.items()
+                       if prefix + name in tensors})
+    embed = tensors["token_embd.weight"]
+    return {"embed": embed, "norm": tensors["output_norm.weight"],
+            "lm_head": tensors.get("output.weight", embed), "layers": tuple(layers)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Blocks of tokens
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """How N tokens relate: ancestor-or-self mask and depth below the committed prefix."""
+
+    anc: jax.Array  # [N, N] bool, anc[i, j] = j is i or an ancestor of i
+    depth: jax.Array  # [N] int32, 0 for tokens attached to the committed prefix
+
+
+def tree_block(parents: jax.Array) -> Block:
+    """Block of a tree given parent indices in insertion order (parent < child, -1 = attached to the prefix)."""
+    n = parents.shape[0]
+
+    def row(i, anc):
+        p = parents[i]
+        return anc.at[i].set(anc[i] | ((p >= 0) & anc[jnp.maximum(p, 0)]))
+
+    anc = jax.lax.fori_loop(0, n, row, jnp.eye(n, dtype=bool))
+    return Block(anc=anc, depth=anc.sum(axis=1).astype(jnp.int32) - 1)
+
+
+def chain_block(n: int) -> Block:
+    """Block of n consecutive tokens."""
+    return Block(anc=jnp.tril(jnp.ones((n, n), bool)), depth=jnp.arange(n, dtype=jnp.int32))
+
+
+def _conv_index(block: Block, kernel: int) -> jax.Array:
+    """[N, K] rows of concat(conv_state, block inputs) each token's causal conv reads, lag K-1 first, itself last.
+
+    The input `d` steps back along a token's path is its ancestor at depth - d, or, past the block's start, row
+    K-1-(d-depth) of the committed conv state.
+    """
+    depth = block.depth
+    lags = jnp.arange(kernel - 1, -1, -1)  # d = K-1 .. 0
+    target = depth[:, None] - lags[None, :]  # [N, K] depth of the input read
+    at_depth = block.anc[:, None, :] & (depth[None, None, :] == target[:, :, None])  # [N, K, N]
+    node = jnp.argmax(at_depth, axis=-1)
+    return jnp.where(target >= 0, kernel - 1 + node, kernel - 1 + target).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * w over the last axis, in float32 (GGUF norms already include the +1)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope(x: jax.Array, pos: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """NeoX rotate-half RoPE on the first rope_dim dims of each head: x [N, H, D], pos [N]."""
+    half = cfg.rope_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim))
+    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, half]
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:cfg.rope_dim], x[..., cfg.rope_dim:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               length: jax.Array, block: Block) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gated full attention over the committed cache plus the block's ancestors; writes the block's KV."""
+    n, hd = u.shape[0], cfg.head_dim
+    qg = linear(u, p["wq"]).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(n, cfg.num_heads * hd)
+    k = linear(u, p["wk"]).reshape(n, cfg.num_kv_heads, hd)
+    v = linear(u, p["wv"]).reshape(n, cfg.num_kv_heads, hd)
+    pos = length + block.depth
+    q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg)
+    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg)
+    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=0)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), length, axis=0)
+    slot = jnp.arange(k_cache.shape[0])
+    rel = slot - length  # block index of each slot
+    in_block = (rel >= 0) & (rel < n)
+    mask = (slot < length)[None, :] | (in_block[None, :] & block.anc[:, jnp.clip(rel, 0, n - 1)])
+    o = ref.attention(q, k_cache, v_cache, mask).reshape(n, cfg.num_heads * hd)
+    return linear(o * jax.nn.sigmoid(gate), p["wo"]), k_cache, v_cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GDNCarry:
+    """What a GDN layer's verify leaves for the commit of one path."""
+
+    k: jax.Array  # [N, H, dk]
+    v_new: jax.Array  # [N, H, dv]
+    gamma: jax.Array  # [N, H]
+    conv_in: jax.Array  # [K-1+N, conv_dim]: committed conv state then the block's pre-conv inputs
+
+
+def _gdn_inputs(p: dict, cfg: TargetConfig, u: jax.Array, conv_state: jax.Array, block: Block):
+    """Projections, causal conv along each token's path, and the delta-rule inputs of one GDN layer."""
+    n, nk, nv = u.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv_in = jnp.concatenate([conv_state, linear(u, p["w_qkv"])], axis=0)  # [K-1+N, C]
+    windows = conv_in[_conv_index(block, cfg.conv_kernel)]  # [N, K, C]
+    c = jax.nn.silu(jnp.einsum("nkc,ck->nc", windows, p["conv"]))
+    q = c[:, :nk * dk].reshape(n, nk, dk)
+    k = c[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
+    v = c[:, 2 * nk * dk:].reshape(n, nv, dv)
+    l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)  # noqa: E731
+    q = jnp.tile(l2(q) * dk ** -0.5, (1, nv // nk, 1))  # tiled: value head h reads key head h mod nk
+    k = jnp.tile(l2(k), (1, nv // nk, 1))
+    beta = jax.nn.sigmoid(linear(u, p["w_beta"]))
+    g = p["ssm_a"] * jax.nn.softplus(linear(u, p["w_alpha"]) + p["dt_bias"])
+    z = linear(u, p["w_z"]).reshape(n, nv, dv)
+    return q, k, v, g, beta, z, conv_in
+
+
+def _gdn_output(p: dict, cfg: TargetConfig, o: jax.Array, z: jax.Array) -> jax.Array:
+    n = o.shape[0]
+    y = rms_norm(o, p["ssm_norm"], cfg.rms_norm_eps) * jax.nn.silu(z)
+    return linear(y.reshape(n, -1), p["w_out"])
+
+
+def _mlp(p: dict, x: jax.Array) -> jax.Array:
+    return linear(jax.nn.silu(linear(x, p["w_gate"])) * linear(x, p["w_up"]), p["w_down"])
+
+
+def _logits(params: dict, cfg: TargetConfig, x: jax.Array) -> jax.Array:
+    return linear(rms_norm(x, params["norm"], cfg.rms_norm_eps), params["lm_head"])
+
+
+def _embed(params: dict, tokens: jax.Array) -> jax.Array:
+    embed = params["embed"]
+    return dequantize(take_rows(embed, tokens)) if isinstance(embed, QTensor) else embed[tokens]
+
+
+def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
+             taps: tuple[int, ...], prefill_valid: jax.Array | None):
+    """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
+    verify (tree) leaves it and returns per-layer carries for the commit."""
+    x = _embed(params, tokens)
+    k_cache, v_cache, conv, ssm = list(state.k), list(state.v), list(state.conv), list(state.ssm)
+    tap_out, carries = [], []
+    ia = ig = 0
+    for i, p in enumerate(params["layers"]):
+        u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        if cfg.layer_types[i] == FULL_ATTENTION:
+            out, k_cache[ia], v_cache[ia] = _attention(p, cfg, u, k_cache[ia], v_cache[ia], state.length, block)
+            ia += 1
+        else:
+            q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], block)
+            if prefill_valid is None:
+                o, v_new, gamma = ref.gdn_block(q, k, v, g, beta, ssm[ig], block.anc)
+                carries.append(GDNCarry(k, v_new, gamma, conv_in))
+            else:
+                real = (jnp.arange(tokens.shape[0]) < prefill_valid)[:, None]
+                o, ssm[ig] = ref.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
+                                             jnp.where(real, beta, 0.0), ssm[ig])
+                last = _conv_index(block, cfg.conv_kernel)[prefill_valid - 1]
+                conv[ig] = conv_in[last[1:]]
+            out = _gdn_output(p, cfg, o, z)
+            ig += 1
+        x = x + out
+        x = x + _mlp(p, rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps))
+        if i in taps:
+            tap_out.append(x)
+    state = dataclasses.replace(state, k=jnp.stack(k_cache), v=jnp.stack(v_cache),
+                                conv=jnp.stack(conv), ssm=jnp.stack(ssm))
+    tapped = jnp.stack(tap_out, axis=1) if taps else jnp.zeros((tokens.shape[0], 0, cfg.hidden_size))
+    return x, tapped, state, carries
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward modes
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What verify leaves for commit: the block's shape and each GDN layer's carry."""
+
+    block: Block
+    carries: tuple[GDNCarry, ...]
+
+
+def _check_tokens(cfg: TargetConfig, state: TargetState, tokens: jax.Array) -> None:
+    if state.slots < tokens.shape[0]:
+        raise ValueError(f"a block of {tokens.shape[0]} tokens does not fit a cache of {state.slots} slots")
+
+
+def prefill_chunk(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
+                  taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
+    """Commit the first n_valid of P prompt tokens (the rest is padding): logits [P, V], taps [P, n_taps, H]."""
+    _check_tokens(cfg, state, tokens)
+    x, tapped, state, _ = _forward(params, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid)
+    state = dataclasses.replace(state, length=state.length + n_valid)
+    return _logits(params, cfg, x), tapped, state
+
+
+def verify(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, parents: jax.Array,
+           taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState, Verified]:
+    """Run a tree of N tokens on top of the committed state: logits [N, V], taps [N, n_taps, H].
+
+    Only the KV cache changes (the block's keys at slots length..length+N-1, not yet committed); GDN state is read.
+    """
+    _check_tokens(cfg, state, tokens)
+    block = tree_block(parents)
+    x, tapped, state, carries = _forward(params, cfg, state, tokens, block, taps, None)
+    return _logits(params, cfg, x), tapped, state, Verified(block, tuple(carries))
+
+
+def commit(cfg: TargetConfig, state: TargetState, verified: Verified, leaf: jax.Array) -> TargetState:
+    """Accept the root-to-leaf path ending at node `leaf`: compact its KV, take its GDN state, advance length."""
+    block = verified.block
+    n = block.depth.shape[0]
+    path = block.anc[leaf]  # [N]
+    on_path_at = path[None, :] & (block.depth[None, :] == jnp.arange(n)[:, None])  # [depth, node]
+    src = state.length + jnp.argmax(on_path_at, axis=1)  # slot of the path node at each depth
+
+    def compact(cache):  # [layers, slots, ...]: path node at depth d moves to slot length + d
+        rows = jnp.take(cache, src, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(cache, rows, state.length, axis=1)
+
+    conv_rows = _conv_index(block, cfg.conv_kernel)[leaf, 1:]
+    ssm = [ref.gdn_path_state(c.k, c.v_new, c.gamma, s0, path, leaf) for c, s0 in zip(verified.carries, state.ssm)]
+    conv = [c.conv_in[conv_rows] for c in verified.carries]
+    return dataclasses.replace(state, k=compact(state.k), v=compact(state.v), ssm=jnp.stack(ssm),
+                               conv=jnp.stack(conv), length=state.length + block.depth[leaf] + 1)
