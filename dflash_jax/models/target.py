@@ -139,12 +139,12 @@ class GDNCarry:
     conv_in: jax.Array  # [K-1+N, conv_dim]: committed conv state then the block's pre-conv inputs
 
 
-def _gdn_inputs(p: dict, cfg: TargetConfig, u: jax.Array, conv_state: jax.Array, block: Block):
-    """Projections, causal conv along each token's path, and the delta-rule inputs of one GDN layer."""
+def _gdn_inputs(p: dict, cfg: TargetConfig, u: jax.Array, conv_state: jax.Array, conv_index: jax.Array):
+    """Projections, causal conv along each token's path (rows `conv_index`), and the delta-rule inputs."""
     n, nk, nv = u.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv_in = jnp.concatenate([conv_state, linear(u, p["w_qkv"])], axis=0)  # [K-1+N, C]
-    windows = conv_in[_conv_index(block, cfg.conv_kernel)]  # [N, K, C]
+    windows = conv_in[conv_index]  # [N, K, C]
     c = jax.nn.silu(jnp.einsum("nkc,ck->nc", windows, p["conv"]))
     q = c[:, :nk * dk].reshape(n, nk, dk)
     k = c[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
@@ -184,6 +184,7 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
     x = _embed(params, tokens)
     k_cache, v_cache, conv, ssm = list(state.k), list(state.v), list(state.conv), list(state.ssm)
     tap_out, carries = [], []
+    conv_index = _conv_index(block, cfg.conv_kernel)
     ia = ig = 0
     for i, p in enumerate(params["layers"]):
         u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
@@ -191,7 +192,7 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
             out, k_cache[ia], v_cache[ia] = _attention(p, cfg, u, k_cache[ia], v_cache[ia], state.length, block)
             ia += 1
         else:
-            q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], block)
+            q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], conv_index)
             if prefill_valid is None:
                 o, v_new, gamma = ref.gdn_block(q, k, v, g, beta, ssm[ig], block.anc)
                 carries.append(GDNCarry(k, v_new, gamma, conv_in))
@@ -199,8 +200,7 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
                 real = (jnp.arange(tokens.shape[0]) < prefill_valid)[:, None]
                 o, ssm[ig] = ref.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
                                              jnp.where(real, beta, 0.0), ssm[ig])
-                last = _conv_index(block, cfg.conv_kernel)[prefill_valid - 1]
-                conv[ig] = conv_in[last[1:]]
+                conv[ig] = conv_in[conv_index[prefill_valid - 1, 1:]]
             out = _gdn_output(p, cfg, o, z)
             ig += 1
         x = x + out
@@ -225,7 +225,7 @@ class Verified:
     carries: tuple[GDNCarry, ...]
 
 
-def _check_tokens(cfg: TargetConfig, state: TargetState, tokens: jax.Array) -> None:
+def _check_fits(state: TargetState, tokens: jax.Array) -> None:
     if state.slots < tokens.shape[0]:
         raise ValueError(f"a block of {tokens.shape[0]} tokens does not fit a cache of {state.slots} slots")
 
@@ -233,7 +233,7 @@ def _check_tokens(cfg: TargetConfig, state: TargetState, tokens: jax.Array) -> N
 def prefill_chunk(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
                   taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
     """Commit the first n_valid of P prompt tokens (the rest is padding): logits [P, V], taps [P, n_taps, H]."""
-    _check_tokens(cfg, state, tokens)
+    _check_fits(state, tokens)
     x, tapped, state, _ = _forward(params, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid)
     state = dataclasses.replace(state, length=state.length + n_valid)
     return _logits(params, cfg, x), tapped, state
@@ -245,7 +245,7 @@ def verify(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Arra
 
     Only the KV cache changes (the block's keys at slots length..length+N-1, not yet committed); GDN state is read.
     """
-    _check_tokens(cfg, state, tokens)
+    _check_fits(state, tokens)
     block = tree_block(parents)
     x, tapped, state, carries = _forward(params, cfg, state, tokens, block, taps, None)
     return _logits(params, cfg, x), tapped, state, Verified(block, tuple(carries))
