@@ -28,13 +28,13 @@ def gdn_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     """
     q, k, v, g, beta, s0 = map(_f32, (q, k, v, g, beta, s0))
     incl = anc.astype(jnp.float32)
-    strict = incl * (1.0 - jnp.eye(anc.shape[0], dtype=jnp.float32))
+    eye = jnp.eye(anc.shape[0], dtype=jnp.float32)
+    strict = incl * (1.0 - eye)
     gamma = jnp.einsum("ij,jh->ih", incl, g)  # sum of g over each token's path, itself included
     diff = gamma[:, None, :] - gamma[None, :, :]  # [i, j, H]: gamma_i - gamma_j
     decay_incl = jnp.where(anc[:, :, None], jnp.exp(jnp.where(anc[:, :, None], diff, 0.0)), 0.0)
     decay_strict = decay_incl * strict[:, :, None]
     A = beta[:, None, :] * jnp.einsum("ihd,jhd->ijh", k, k) * decay_strict  # [i, j, H]
-    eye = jnp.eye(anc.shape[0], dtype=jnp.float32)
     lhs = jnp.moveaxis(A, 2, 0) + eye  # [H, N, N], unit lower-triangular
     rhs_u = jnp.moveaxis(beta[:, :, None] * v, 1, 0)  # [H, N, dv]
     rhs_w = jnp.moveaxis((beta * jnp.exp(gamma))[:, :, None] * k, 1, 0)  # [H, N, dk]

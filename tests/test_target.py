@@ -14,7 +14,7 @@ from conftest import TINY
 
 prefill = jax.jit(T.prefill_chunk, static_argnums=(1, 5))
 verify = jax.jit(T.verify, static_argnums=(1, 5))
-commit = jax.jit(T.commit, static_argnums=(0,))
+commit = jax.jit(T.commit)
 SLOTS = 160
 CHUNK = 64
 
@@ -61,7 +61,7 @@ def test_greedy_decode_matches_hf(model):
     for _ in range(len(want)):
         out.append(tok)
         lg, _, state, ver = verify(params, cfg, state, jnp.array([tok], jnp.int32), jnp.array([-1], jnp.int32), ())
-        state = commit(cfg, state, ver, jnp.int32(0))
+        state = commit(state, ver, jnp.int32(0))
         tok = int(np.argmax(np.asarray(lg)[0]))
     assert out == list(want)
 
@@ -104,11 +104,11 @@ def test_commit_of_any_node_then_decode_equals_plain_sequence(model):
     _, state = run_prefill(cfg, params, prompt)
     _, _, verified_state, ver = verify(params, cfg, state, jnp.asarray(tokens), jnp.asarray(parents), ())
     for leaf in (0, 5, 11):
-        after = commit(cfg, verified_state, ver, jnp.int32(leaf))
+        after = commit(verified_state, ver, jnp.int32(leaf))
         nxt = np.int32(rng.integers(0, cfg.vocab_size))
         lg, _, _, _ = verify(params, cfg, after, jnp.array([nxt]), jnp.array([-1], jnp.int32), ())
         seq = np.concatenate([prompt, tokens[path_to(parents, leaf)], [nxt]])
-        plain, plain_state = run_prefill(cfg, params, seq)
+        plain, _ = run_prefill(cfg, params, seq)
         assert int(after.length) == len(seq) - 1
         assert rel(np.asarray(lg)[0], plain[-1]) < 1e-4, leaf
 

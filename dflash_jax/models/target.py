@@ -180,7 +180,7 @@ def _embed(params: dict, tokens: jax.Array) -> jax.Array:
 def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
              taps: tuple[int, ...], prefill_valid: jax.Array | None):
     """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
-    verify (tree) leaves it and returns per-layer carries for the commit."""
+    verify (tree) leaves it and returns what the commit needs."""
     x = _embed(params, tokens)
     k_cache, v_cache, conv, ssm = list(state.k), list(state.v), list(state.conv), list(state.ssm)
     tap_out, carries = [], []
@@ -210,7 +210,7 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
     state = dataclasses.replace(state, k=jnp.stack(k_cache), v=jnp.stack(v_cache),
                                 conv=jnp.stack(conv), ssm=jnp.stack(ssm))
     tapped = jnp.stack(tap_out, axis=1) if taps else jnp.zeros((tokens.shape[0], 0, cfg.hidden_size))
-    return x, tapped, state, carries
+    return x, tapped, state, Verified(block, conv_index, tuple(carries))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,9 +219,10 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Verified:
-    """What verify leaves for commit: the block's shape and each GDN layer's carry."""
+    """What verify leaves for commit: the block's shape, its conv rows and each GDN layer's carry."""
 
     block: Block
+    conv_index: jax.Array  # [N, K] from _conv_index
     carries: tuple[GDNCarry, ...]
 
 
@@ -247,11 +248,11 @@ def verify(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Arra
     """
     _check_fits(state, tokens)
     block = tree_block(parents)
-    x, tapped, state, carries = _forward(params, cfg, state, tokens, block, taps, None)
-    return _logits(params, cfg, x), tapped, state, Verified(block, tuple(carries))
+    x, tapped, state, verified = _forward(params, cfg, state, tokens, block, taps, None)
+    return _logits(params, cfg, x), tapped, state, verified
 
 
-def commit(cfg: TargetConfig, state: TargetState, verified: Verified, leaf: jax.Array) -> TargetState:
+def commit(state: TargetState, verified: Verified, leaf: jax.Array) -> TargetState:
     """Accept the root-to-leaf path ending at node `leaf`: compact its KV, take its GDN state, advance length."""
     block = verified.block
     n = block.depth.shape[0]
@@ -263,7 +264,7 @@ def commit(cfg: TargetConfig, state: TargetState, verified: Verified, leaf: jax.
         rows = jnp.take(cache, src, axis=1)
         return jax.lax.dynamic_update_slice_in_dim(cache, rows, state.length, axis=1)
 
-    conv_rows = _conv_index(block, cfg.conv_kernel)[leaf, 1:]
+    conv_rows = verified.conv_index[leaf, 1:]
     ssm = [ref.gdn_path_state(c.k, c.v_new, c.gamma, s0, path, leaf) for c, s0 in zip(verified.carries, state.ssm)]
     conv = [c.conv_in[conv_rows] for c in verified.carries]
     return dataclasses.replace(state, k=compact(state.k), v=compact(state.v), ssm=jnp.stack(ssm),
