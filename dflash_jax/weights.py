@@ -9,7 +9,7 @@ transforms to an HF state dict, `gguf_to_hf` undoes them; both check that every 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -130,35 +130,42 @@ def _canonical_hf_name(name: str) -> str | None:
     return name
 
 
-def hf_to_gguf(hf: Mapping[str, np.ndarray], cfg: TargetConfig) -> dict[str, np.ndarray]:
-    """GGUF-convention float32 tensors (by GGUF name) from an HF Qwen3.5 state dict."""
+def iter_hf_to_gguf(names: Iterable[str], get: Callable[[str], np.ndarray],
+                    cfg: TargetConfig) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(GGUF name, HF name, float32 tensor) converted one at a time from HF tensors `get(name)` (checked up front).
+
+    Reading lazily keeps only one converted tensor in memory, which matters for a 27B checkpoint.
+    """
     src = {}
-    for name, value in hf.items():
+    for name in names:
         canonical = _canonical_hf_name(name)
         if canonical is not None:
-            src[canonical] = value
+            src[canonical] = name
     if cfg.num_mtp_layers == 0:
         src = {k: v for k, v in src.items() if not k.startswith("mtp.")}  # MTP weights of a config without MTP
-    specs = tensor_specs(cfg)
-    out, used = {}, set()
-    for name, rule in _rules(cfg).items():
-        if rule.hf not in src:
-            if specs[name].optional:
-                continue
+    specs, rules = tensor_specs(cfg), _rules(cfg)
+    for name, rule in rules.items():
+        if rule.hf not in src and not specs[name].optional:
             raise WeightsError(f"missing HF tensor {rule.hf!r} (for {name!r})")
-        x = rule.to_gguf(np.asarray(src[rule.hf], dtype=np.float32))
-        if x.shape != specs[name].shape:
-            raise WeightsError(f"HF tensor {rule.hf!r} converts to shape {list(x.shape)}, expected "
-                               f"{list(specs[name].shape)} for {name!r}")
-        out[name] = x
-        used.add(rule.hf)
-    unused = sorted(set(src) - used)
+    unused = sorted(set(src) - {rule.hf for rule in rules.values()})
     if cfg.tie_word_embeddings and unused == ["lm_head.weight"]:
         unused = []  # a tied checkpoint may still store the (shared) head
     if unused:
         raise WeightsError(f"unexpected HF tensor {unused[0]!r}" + (f" (and {len(unused) - 1} more)"
                                                                      if len(unused) > 1 else ""))
-    return out
+    for name, rule in rules.items():
+        if rule.hf not in src:
+            continue
+        x = rule.to_gguf(np.asarray(get(src[rule.hf]), dtype=np.float32))
+        if x.shape != specs[name].shape:
+            raise WeightsError(f"HF tensor {rule.hf!r} converts to shape {list(x.shape)}, expected "
+                               f"{list(specs[name].shape)} for {name!r}")
+        yield name, src[rule.hf], x
+
+
+def hf_to_gguf(hf: Mapping[str, np.ndarray], cfg: TargetConfig) -> dict[str, np.ndarray]:
+    """GGUF-convention float32 tensors (by GGUF name) from an HF Qwen3.5 state dict."""
+    return {name: x for name, _, x in iter_hf_to_gguf(hf.keys(), hf.__getitem__, cfg)}
 
 
 def gguf_to_hf(tensors: Mapping[str, np.ndarray], cfg: TargetConfig) -> dict[str, np.ndarray]:

@@ -5,18 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.engine.prefill import prefill_chunks
 from dflash_jax.engine.state import init_state
-from dflash_jax.gguf import GGUFModel
+from dflash_jax.load import load_target
 from dflash_jax.models import target as T
 from pallas_kernels import reference as ref
 
 from conftest import TINY
 
-prefill = jax.jit(T.prefill_chunk, static_argnums=(1, 5))
 verify = jax.jit(T.verify, static_argnums=(1, 5))
 commit = jax.jit(T.commit)
 SLOTS = 160
-CHUNK = 64
 
 
 def rel(a, b):
@@ -25,20 +24,15 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def model(tiny_gguf_path):
-    m = GGUFModel(tiny_gguf_path)
-    params = jax.tree.map(jnp.asarray, T.params_from_tensors(m.config, {n: m.load(n) for n in m.tensors}))
-    return m.config, params
+    m = load_target(tiny_gguf_path, progress=False)
+    return m.config, m.params
 
 
-def run_prefill(cfg, params, ids, state=None):
+def run_prefill(cfg, params, ids):
     """Prefill a prompt in fixed chunks of 64 (one compilation), returning all logits and the state."""
-    state = init_state(cfg, SLOTS) if state is None else state
     logits = []
-    for start in range(0, len(ids), CHUNK):
-        part = np.asarray(ids[start:start + CHUNK], np.int32)
-        padded = np.pad(part, (0, CHUNK - len(part)))
-        lg, _, state = prefill(params, cfg, state, jnp.asarray(padded), jnp.int32(len(part)), ())
-        logits.append(np.asarray(lg)[:len(part)])
+    for _, lg, _, state in prefill_chunks(params, cfg, init_state(cfg, SLOTS), ids, all_logits=True):
+        logits.append(np.asarray(lg))
     return np.concatenate(logits), state
 
 

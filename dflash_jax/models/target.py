@@ -91,6 +91,13 @@ def _conv_index(block: Block, kernel: int) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Layers
 
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, axis: int) -> jax.Array:
+    """cache with rows written at start.. along axis; rows past the end are dropped (a padded last prefill chunk)
+    rather than shifting the write back over committed slots, as dynamic_update_slice would."""
+    idx = (slice(None),) * axis + (start + jnp.arange(rows.shape[axis]),)
+    return cache.at[idx].set(rows.astype(cache.dtype), mode="drop")
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """x / rms(x) * w over the last axis, in float32 (GGUF norms already include the +1)."""
     x = x.astype(jnp.float32)
@@ -118,8 +125,8 @@ def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_cache: jax.Array, v_c
     pos = length + block.depth
     q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg)
     k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg)
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=0)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), length, axis=0)
+    k_cache = write_rows(k_cache, k, length, axis=0)
+    v_cache = write_rows(v_cache, v, length, axis=0)
     slot = jnp.arange(k_cache.shape[0])
     rel = slot - length  # block index of each slot
     in_block = (rel >= 0) & (rel < n)
@@ -232,11 +239,15 @@ def _check_fits(state: TargetState, tokens: jax.Array) -> None:
 
 
 def prefill_chunk(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
-                  taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
-    """Commit the first n_valid of P prompt tokens (the rest is padding): logits [P, V], taps [P, n_taps, H]."""
-    _check_fits(state, tokens)
+                  taps: tuple[int, ...] = (), all_logits: bool = False) -> tuple[jax.Array, jax.Array, TargetState]:
+    """Commit the first n_valid of P prompt tokens (the rest is padding).
+
+    Returns the logits of the last real token [V] (all P rows [P, V] with all_logits) and taps [P, n_taps, H].
+    """
     x, tapped, state, _ = _forward(params, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid)
     state = dataclasses.replace(state, length=state.length + n_valid)
+    if not all_logits:
+        x = jax.lax.dynamic_index_in_dim(x, n_valid - 1, keepdims=False)
     return _logits(params, cfg, x), tapped, state
 
 
@@ -261,8 +272,7 @@ def commit(state: TargetState, verified: Verified, leaf: jax.Array) -> TargetSta
     src = state.length + jnp.argmax(on_path_at, axis=1)  # slot of the path node at each depth
 
     def compact(cache):  # [layers, slots, ...]: path node at depth d moves to slot length + d
-        rows = jnp.take(cache, src, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(cache, rows, state.length, axis=1)
+        return write_rows(cache, jnp.take(cache, src, axis=1), state.length, axis=1)
 
     conv_rows = verified.conv_index[leaf, 1:]
     ssm = [ref.gdn_path_state(c.k, c.v_new, c.gamma, s0, path, leaf) for c, s0 in zip(verified.carries, state.ssm)]

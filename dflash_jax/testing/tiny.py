@@ -24,6 +24,14 @@ def tiny_target_config(num_layers: int = 4, interval: int = 4, **overrides: Any)
     return dataclasses.replace(big, **{**small, **overrides})
 
 
+def _hf_model(cfg: TargetConfig):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    hf_cfg = target_config_to_hf(cfg)
+    hf_cfg.pop("model_type"), hf_cfg.pop("architectures")
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**hf_cfg))
+
+
 def random_hf_state_dict(cfg: TargetConfig, seed: int = 0, mtp: bool = False) -> dict[str, np.ndarray]:
     """Seeded random float32 weights of a transformers Qwen3_5ForCausalLM with this config.
 
@@ -31,12 +39,9 @@ def random_hf_state_dict(cfg: TargetConfig, seed: int = 0, mtp: bool = False) ->
     layout mistakes). With mtp, random `mtp.*` tensors of one MTP block are added (HF's model has no such module).
     """
     import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    hf_cfg = target_config_to_hf(cfg)
-    hf_cfg.pop("model_type"), hf_cfg.pop("architectures")
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**hf_cfg))
+    model = _hf_model(cfg)
     rng = np.random.default_rng(seed)
     out = {}
     for name, p in model.state_dict().items():
@@ -62,6 +67,45 @@ def random_hf_state_dict(cfg: TargetConfig, seed: int = 0, mtp: bool = False) ->
             "mtp.norm.weight": rng.normal(0.0, 0.2, h).astype(np.float32),
         })
     return out
+
+
+def hf_reference_model(cfg: TargetConfig, state_dict: dict[str, np.ndarray]):
+    """The transformers `Qwen3_5ForCausalLM` (float32, eval mode) holding these HF weights: the reference."""
+    import torch
+
+    model = _hf_model(cfg).eval()
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()},
+                                                strict=False)
+    if unexpected or [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]:
+        raise ValueError(f"state dict does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def write_hf_dir(path: str | os.PathLike, cfg: TargetConfig, state_dict: dict[str, np.ndarray], *,
+                 dtype: Any = np.float32, vlm: bool = False) -> None:
+    """Save HF weights as a transformers-style directory (config.json + model.safetensors).
+
+    With vlm, lay it out as `Qwen3_5ForConditionalGeneration` (text config nested, `model.language_model.*`
+    names, a stand-in vision tensor).
+    """
+    import json
+
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    config = target_config_to_hf(cfg)
+    tensors = {k: np.asarray(v).astype(dtype) for k, v in state_dict.items()}
+    if vlm:
+        config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                  "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": config,
+                  "vision_config": {"depth": 1, "hidden_size": 8}}
+        tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+        tensors["model.visual.patch_embed.proj.weight"] = np.zeros((8, 3), dtype)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
 
 
 def random_gguf_tensors(cfg: TargetConfig, seed: int = 0) -> dict[str, np.ndarray]:

@@ -1,0 +1,70 @@
+"""Host-side prompt prefill: checks the tokens, then commits them in fixed-size chunks with one compiled function."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import TargetConfig
+from dflash_jax.engine.state import TargetState
+from dflash_jax.models import target
+
+DEFAULT_CHUNK = 64  # the chunked gated delta rule's chunk: one compilation covers every prompt length
+
+_prefill_chunk = jax.jit(target.prefill_chunk, static_argnums=(1, 5, 6))
+
+
+class InputError(ValueError):
+    """Tokens the model cannot take: ids outside the vocabulary, or more than the cache has room for."""
+
+
+def check_tokens(cfg: TargetConfig, ids: np.ndarray | list[int]) -> np.ndarray:
+    """The ids as a 1-D int32 array, after checking that they are a non-empty sequence inside the vocabulary."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise InputError(f"expected a non-empty 1-D sequence of token ids, got shape {list(arr.shape)}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(f"token ids must be integers, got {arr.dtype}")
+    bad = np.flatnonzero((arr < 0) | (arr >= cfg.vocab_size))
+    if bad.size:
+        raise InputError(f"token id {int(arr[bad[0]])} at position {int(bad[0])} is outside the vocabulary "
+                         f"(0..{cfg.vocab_size - 1}); {bad.size} such id(s)")
+    return arr.astype(np.int32)
+
+
+def check_room(state: TargetState, n: int) -> None:
+    """Raise InputError unless n more tokens fit the cache after the committed ones."""
+    length = int(state.length)
+    if length + n > state.slots:
+        raise InputError(f"{n} tokens after {length} committed need {length + n} cache slots; the context was "
+                         f"allocated with {state.slots} (raise the context size)")
+
+
+def prefill_chunks(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
+                   chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), all_logits: bool = False
+                   ) -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
+    """Commit a prompt chunk by chunk, yielding (real tokens, logits, taps [n, n_taps, H], state) per chunk.
+
+    Logits are the chunk's last real token's [V], or with all_logits every real token's [n, V]. Everything is
+    checked before the first chunk runs, so a bad prompt leaves the state as it was.
+    """
+    ids = check_tokens(cfg, ids)
+    check_room(state, len(ids))
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        n = len(part)
+        tokens = jnp.asarray(np.pad(part, (0, chunk - n)))
+        logits, tapped, state = _prefill_chunk(params, cfg, state, tokens, jnp.int32(n), taps, all_logits)
+        yield n, (logits[:n] if all_logits else logits), tapped[:n], state
+
+
+def prefill(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
+            chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
+    """Commit a prompt: the last token's logits [V], the taps of every prompt token [n, n_taps, H], the state."""
+    tapped = []
+    for _, logits, t, state in prefill_chunks(params, cfg, state, ids, chunk=chunk, taps=taps):
+        tapped.append(t)
+    return logits, jnp.concatenate(tapped), state

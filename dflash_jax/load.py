@@ -1,0 +1,150 @@
+"""Load a target model from a `qwen35` GGUF file or an HF safetensors directory into the engine's parameter pytree.
+
+Both routes end in the same layout (GGUF names and conventions, value heads tiled, see `dflash_jax.weights`):
+matrices are QTensors in their stored format (GGUF quants, or dense BF16/F16/F32 from safetensors), norms and the
+small GDN tensors float32. Tensors are read, converted and put on the device one at a time, so host memory holds one
+tensor beyond the memory-mapped file; a progress bar counts the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import os
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from dflash_jax.config import ConfigError, TargetConfig, read_json, target_config_from_hf
+from dflash_jax.gguf import GGUFModel, tensor_specs
+from dflash_jax.models.target import params_from_tensors
+from dflash_jax.quant import QTensor
+from dflash_jax.weights import iter_hf_to_gguf
+
+HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+# safetensors dtype names are also our dense QTensor formats
+_DENSE_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+_SKIPPED_HF = ("mtp.", "model.visual.", "visual.")  # the MTP head and the vision tower are not run
+
+
+class LoadError(ValueError):
+    """A model path that cannot be loaded: missing, of another architecture, or without usable weights."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A loaded target: its config, the parameter pytree on the device, and where it came from."""
+
+    config: TargetConfig
+    params: dict
+    path: str
+    gguf: GGUFModel | None  # the open file (tokenizer metadata lives there); None for an HF directory
+
+
+def load_target(path: str | os.PathLike, *, progress: bool = True) -> Target:
+    """A target from a GGUF file or an HF `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise LoadError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        return _load_hf_dir(path, progress)
+    return _load_gguf(path, progress)
+
+
+def _bar(total: int, path: str, progress: bool):
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}",
+                disable=None if progress else True, leave=False)
+
+
+def _on_device(x: QTensor | np.ndarray):
+    return jax.tree.map(jnp.asarray, x)
+
+
+def _load_gguf(path: str, progress: bool) -> Target:
+    model = GGUFModel(path)
+    cfg = model.config
+    # MTP blocks (blk.N and up) are not used by the engine: skip their bytes.
+    names = [n for n in model.tensors if not (n.startswith("blk.") and int(n.split(".")[1]) >= cfg.num_layers)]
+    tensors = {}
+    with _bar(sum(model.tensors[n].nbytes for n in names), path, progress) as bar:
+        for name in names:
+            tensors[name] = _on_device(model.load(name))
+            bar.update(model.tensors[name].nbytes)
+    return Target(cfg, params_from_tensors(cfg, tensors), path, model)
+
+
+def hf_target_config(path: str) -> TargetConfig:
+    """The TargetConfig of an HF directory, after checking that it holds a Qwen3.5/3.6 model."""
+    where = os.path.join(path, "config.json")
+    if not os.path.exists(where):
+        raise LoadError(f"{path}: not a model directory (no config.json)")
+    d = read_json(where)
+    archs = d.get("architectures") or []
+    if not any(a in HF_ARCHITECTURES for a in archs) and not (not archs and d.get("model_type") in HF_MODEL_TYPES):
+        found = ", ".join(archs) if archs else f"model_type {d.get('model_type')!r}"
+        raise LoadError(f"{where}: {found} is not a Qwen3.5/3.6 model (expected {' or '.join(HF_ARCHITECTURES)})")
+    try:
+        return target_config_from_hf(d, where=where)
+    except ConfigError as e:
+        raise LoadError(str(e)) from None
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index).get("weight_map") or {}
+        files = sorted({os.path.join(path, f) for f in weight_map.values()})
+        missing = [f for f in files if not os.path.exists(f)]
+        if missing:
+            raise LoadError(f"{index}: lists {os.path.basename(missing[0])}, which is not in the directory")
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise LoadError(f"{path}: no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+@contextlib.contextmanager
+def _open_safetensors(files: list[str]) -> Iterator[dict]:
+    """name -> open safetensors handle holding it, over every file."""
+    with contextlib.ExitStack() as stack:
+        where = {}
+        for f in files:
+            try:
+                handle = stack.enter_context(safe_open(f, framework="numpy"))
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise LoadError(f"{f}: not a readable safetensors file ({e})") from None
+            for name in handle.keys():
+                where[name] = handle
+        yield where
+
+
+def _load_hf_dir(path: str, progress: bool) -> Target:
+    cfg = hf_target_config(path)
+    specs = tensor_specs(cfg)
+    with _open_safetensors(_safetensors_files(path)) as where:
+        info = {name: h.get_slice(name) for name, h in where.items()}
+        dtypes = {name: s.get_dtype() for name, s in info.items()}
+        # The engine does not run the MTP head: convert without it (its tensors, like the vision tower's, are skipped).
+        convert_cfg = dataclasses.replace(cfg, num_mtp_layers=0)
+        used = [n for n in where if not n.startswith(_SKIPPED_HF)]
+        bad = [n for n in used if dtypes[n] not in _DENSE_DTYPES]
+        if bad:
+            raise LoadError(f"{path}: tensor {bad[0]!r} is {dtypes[bad[0]]}; only F32, BF16 and F16 are supported")
+        nbytes = {n: int(np.prod(info[n].get_shape())) * np.dtype(_DENSE_DTYPES[dtypes[n]]).itemsize for n in used}
+        tensors = {}
+        with _bar(sum(nbytes.values()), path, progress) as bar:
+            for name, hf_name, x in iter_hf_to_gguf(used, lambda n: where[n].get_tensor(n), convert_cfg):
+                if specs[name].kind == "matrix" and x.ndim == 2:  # kept in its stored precision (conversion permutes)
+                    fmt = dtypes[hf_name]
+                    x = QTensor(data={"w": x.astype(_DENSE_DTYPES[fmt])}, fmt=fmt, shape=x.shape)
+                tensors[name] = _on_device(x)
+                bar.update(nbytes[hf_name])
+    return Target(cfg, params_from_tensors(cfg, tensors), path, None)

@@ -1,0 +1,106 @@
+"""`python -m dflash_jax.score`: teacher-forced logits of a token sequence, its mean log-likelihood and perplexity.
+
+Like llama-perplexity on one sequence: the whole sequence is prefilled in fixed chunks and every position's logits
+are kept. The log-likelihood averages log p(token[i+1] | token[..i]) over the n-1 predicted tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
+from dflash_jax.engine.state import init_state
+from dflash_jax.load import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """Logits [n, V] float32 of every position and the log-likelihood of tokens 1..n-1."""
+
+    logits: np.ndarray
+    mean_log_likelihood: float
+    perplexity: float
+    tokens: int
+
+
+def read_ids(spec: str) -> np.ndarray:
+    """Token ids from a .npy file or a comma-separated list."""
+    if spec.endswith(".npy"):
+        if not os.path.exists(spec):
+            raise FileNotFoundError(f"{spec}: no such file")
+        return np.load(spec).reshape(-1)
+    try:
+        return np.array([int(t) for t in spec.split(",") if t.strip()], dtype=np.int64)
+    except ValueError:
+        raise ValueError(f"--ids {spec!r}: expected a .npy file or comma-separated integers") from None
+
+
+def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> Score:
+    """Teacher-forced logits of every position of ids (float32 KV cache, the reference precision)."""
+    cfg = model.config
+    ids = check_tokens(cfg, ids)
+    state = init_state(cfg, slots=-(-len(ids) // chunk) * chunk, kv_dtype=jnp.float32)
+    logits = []
+    for _, lg, _, state in prefill_chunks(model.params, cfg, state, ids, chunk=chunk, all_logits=True):
+        logits.append(np.asarray(lg, np.float32))  # to the host chunk by chunk: [n, V] can be large
+    logits = np.concatenate(logits)
+    if len(ids) < 2:
+        return Score(logits, math.nan, math.nan, len(ids))
+    logp = jax.nn.log_softmax(jnp.asarray(logits[:-1]), axis=-1)
+    mean = float(jnp.mean(jnp.take_along_axis(logp, jnp.asarray(ids[1:, None]), axis=-1)))
+    return Score(logits, mean, math.exp(-mean), len(ids))
+
+
+def main(argv: list[str]) -> int:
+    from absl import app, flags, logging
+
+    from dflash_jax.load import load_target
+
+    logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
+    f = flags.FLAGS
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if f.text is not None:
+        print("score: --text needs the GGUF tokenizer, which is not implemented yet; pass token ids with --ids",
+              file=sys.stderr)
+        return 2
+    if f.ids is None:
+        raise app.UsageError("pass the token ids with --ids IDS.npy (or a comma-separated list)")
+    try:
+        ids = read_ids(f.ids)
+        t0 = time.perf_counter()
+        model = load_target(f.target)
+        t1 = time.perf_counter()
+        result = score(model, ids, chunk=f.chunk)
+        t2 = time.perf_counter()
+    except (OSError, ValueError, NotImplementedError) as e:
+        print(f"score: {e}", file=sys.stderr)
+        return 2
+    if f.out:
+        np.save(f.out, result.logits)
+    print(f"{result.tokens} tokens, {result.tokens - 1} predicted: mean log-likelihood "
+          f"{result.mean_log_likelihood:.4f}, perplexity {result.perplexity:.4f} "
+          f"(load {t1 - t0:.1f} s, score {t2 - t1:.1f} s, {jax.default_backend()})")
+    if f.out:
+        print(f"logits [{result.logits.shape[0]}, {result.logits.shape[1]}] float32 written to {f.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("target", None, "Target model: a qwen35 GGUF file or an HF safetensors directory.",
+                        required=True)
+    flags.DEFINE_string("ids", None, "Token ids: a .npy file or a comma-separated list.")
+    flags.DEFINE_string("text", None, "Text to score (needs the GGUF tokenizer; not implemented yet).")
+    flags.DEFINE_string("out", None, "Write the logits [n, vocab] float32 to this .npy file.")
+    flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).")
+    app.run(lambda argv: sys.exit(main(argv)))
