@@ -1,4 +1,4 @@
-"""Frozen model configs: the Qwen3.5/3.6 hybrid target and the DFlash drafter.
+"""Frozen configs: the Qwen3.5/3.6 hybrid target, the DFlash drafter and the speculative engine.
 
 Each config is built by one function per source: `target_config_from_hf` / `draft_config_from_hf` read an HF-style
 config.json (the format of `configs/*.json`), and `dflash_jax.gguf.target_config_from_gguf` reads GGUF metadata.
@@ -118,6 +118,31 @@ class DraftConfig:
         _check(len(self.target_layer_ids) > 0
                and all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
                f"target_layer_ids {list(self.target_layer_ids)} must be in [0, {self.num_target_layers})")
+
+
+MODES = ("ar", "chain", "ddtree")
+MAX_TREE_NODES = 64  # verify width (root included) the kernels are built for
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine decodes: mode, DDTree budget (non-root nodes), top-K per depth, chain seed, context size."""
+
+    mode: str = "ddtree"
+    budget: int = 22
+    topk: int = 8
+    chain_seed: bool = True
+    max_ctx: int = 4096  # committed tokens the caches hold (prompt + generated)
+    kv_dtype: str = "float32"
+
+    def __post_init__(self):
+        _check(self.mode in MODES, f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        _check(1 <= self.budget <= MAX_TREE_NODES - 1,
+               f"budget {self.budget} must be between 1 and {MAX_TREE_NODES - 1} (the tree verifies budget + 1 "
+               f"tokens; at most {MAX_TREE_NODES} are supported)")
+        _check(self.topk >= 1, f"topk {self.topk} must be at least 1 (a top-K wider than the budget is cut to it)")
+        _check(self.max_ctx >= 2, f"max_ctx {self.max_ctx} must be at least 2")
+        _check(self.kv_dtype in ("float32", "bfloat16"), f"kv_dtype {self.kv_dtype!r}: float32 or bfloat16")
 
 
 def _check(ok: bool, message: str) -> None:

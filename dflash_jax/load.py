@@ -1,4 +1,4 @@
-"""Load a target model from a `qwen35` GGUF file or an HF safetensors directory into the engine's parameter pytree.
+"""Load a target model (a `qwen35` GGUF file or an HF safetensors directory) or a DFlash drafter onto the device.
 
 Both routes end in the same layout (GGUF names and conventions, value heads tiled, see `dflash_jax.weights`):
 matrices are QTensors in their stored format (GGUF quants, or dense BF16/F16/F32 from safetensors), norms and the
@@ -21,8 +21,12 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from dflash_jax.config import ConfigError, TargetConfig, read_json, target_config_from_hf
+from dflash_jax.config import (ConfigError, DraftConfig, TargetConfig, draft_config_from_hf, read_json,
+                               target_config_from_hf)
 from dflash_jax.gguf import GGUFModel, tensor_specs
+from dflash_jax.models.draft import check_pair
+from dflash_jax.models.draft import params_from_tensors as draft_params_from_tensors
+from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
 from dflash_jax.models.target import params_from_tensors
 from dflash_jax.quant import QTensor
 from dflash_jax.weights import iter_hf_to_gguf
@@ -148,3 +152,61 @@ def _load_hf_dir(path: str, progress: bool) -> Target:
                 tensors[name] = _on_device(x)
                 bar.update(nbytes[hf_name])
     return Target(cfg, params_from_tensors(cfg, tensors), path, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """A loaded DFlash drafter: its config, the parameter pytree on the device, and where it came from."""
+
+    config: DraftConfig
+    params: dict
+    path: str
+
+
+def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool = True) -> Draft:
+    """A z-lab DFlash drafter (a directory with config.json and model.safetensors, or the .safetensors file
+    beside its config.json), checked against the target it will draft for."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise LoadError(f"{path}: no such file or directory")
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.exists(config_path):
+        raise LoadError(f"{folder}: no config.json beside the drafter weights")
+    d = read_json(config_path)
+    archs = d.get("architectures") or []
+    if archs and "DFlashDraftModel" not in archs:
+        raise LoadError(f"{config_path}: {', '.join(archs)} is not a DFlash drafter (expected DFlashDraftModel)")
+    try:
+        cfg = draft_config_from_hf(d, where=config_path)
+        check_pair(cfg, target, where=f"drafter {path}")
+    except ConfigError as e:
+        raise LoadError(str(e)) from None
+    shapes = draft_tensor_shapes(cfg)
+    files = [path] if not os.path.isdir(path) else _safetensors_files(path)
+    with _open_safetensors(files) as where:
+        names = {n[len("model."):] if n.startswith("model.") else n: n for n in where}  # some exports prefix
+        missing = sorted(set(shapes) - set(names))
+        unexpected = sorted(set(names) - set(shapes))
+        if missing or unexpected:
+            raise LoadError(f"{path}: tensors do not match the drafter config: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+        slices = {name: where[names[name]].get_slice(names[name]) for name in shapes}
+        for name, sl in slices.items():  # every check before anything is loaded
+            if tuple(sl.get_shape()) != shapes[name]:
+                raise LoadError(f"{path}: tensor {name!r} has shape {sl.get_shape()}, expected {list(shapes[name])}")
+            if sl.get_dtype() not in _DENSE_DTYPES:
+                raise LoadError(f"{path}: tensor {name!r} is {sl.get_dtype()}; only F32, BF16 and F16 are supported")
+        nbytes = {n: int(np.prod(shapes[n])) * np.dtype(_DENSE_DTYPES[sl.get_dtype()]).itemsize
+                  for n, sl in slices.items()}
+        tensors = {}
+        with _bar(sum(nbytes.values()), path, progress) as bar:
+            for name, shape in shapes.items():
+                x = where[names[name]].get_tensor(names[name])
+                if len(shape) == 2:  # matrices stay in their stored precision
+                    x = QTensor(data={"w": x}, fmt=slices[name].get_dtype(), shape=shape)
+                else:
+                    x = x.astype(np.float32)
+                tensors[name] = _on_device(x)
+                bar.update(nbytes[name])
+    return Draft(cfg, draft_params_from_tensors(cfg, tensors), path)

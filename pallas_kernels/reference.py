@@ -15,6 +15,20 @@ def _f32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32)
 
 
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [..., N, N], by matmuls only.
+
+    a is nilpotent, so (I + a)^-1 = sum_k (-a)^k = prod_i (I + (-a)^(2^i)) over ceil(log2 N) factors.
+    """
+    n = a.shape[-1]
+    eye = jnp.eye(n, dtype=a.dtype)
+    power, inv = -a, eye + (-a)
+    for _ in range(max(0, (n - 1).bit_length() - 1)):
+        power = power @ power
+        inv = inv + inv @ power
+    return inv
+
+
 def gdn_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
               anc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated delta rule over N tokens whose state-sharing is given by an ancestor-or-self mask.
@@ -35,11 +49,10 @@ def gdn_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     decay_incl = jnp.where(anc[:, :, None], jnp.exp(jnp.where(anc[:, :, None], diff, 0.0)), 0.0)
     decay_strict = decay_incl * strict[:, :, None]
     A = beta[:, None, :] * jnp.einsum("ihd,jhd->ijh", k, k) * decay_strict  # [i, j, H]
-    lhs = jnp.moveaxis(A, 2, 0) + eye  # [H, N, N], unit lower-triangular
     rhs_u = jnp.moveaxis(beta[:, :, None] * v, 1, 0)  # [H, N, dv]
     rhs_w = jnp.moveaxis((beta * jnp.exp(gamma))[:, :, None] * k, 1, 0)  # [H, N, dk]
-    solve = lambda b: jax.scipy.linalg.solve_triangular(lhs, b, lower=True, unit_diagonal=True)  # noqa: E731
-    U, W = solve(rhs_u), solve(rhs_w)  # T (beta V), T (beta exp(gamma) K)
+    t = unit_lower_inverse(jnp.moveaxis(A, 2, 0))  # T = (I + A)^-1, [H, N, N]
+    U, W = t @ rhs_u, t @ rhs_w  # T (beta V), T (beta exp(gamma) K)
     v_new = U - jnp.einsum("hnk,hkv->hnv", W, s0)  # V' = U - W S0
     qs = jnp.einsum("nhk,hkv->hnv", jnp.exp(gamma)[:, :, None] * q, s0)
     scores = jnp.einsum("ihd,jhd->hij", q, k) * jnp.moveaxis(decay_incl, 2, 0)

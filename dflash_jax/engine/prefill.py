@@ -46,9 +46,10 @@ def check_room(state: TargetState, n: int) -> None:
 def prefill_chunks(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
                    chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), all_logits: bool = False
                    ) -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
-    """Commit a prompt chunk by chunk, yielding (real tokens, logits, taps [n, n_taps, H], state) per chunk.
+    """Commit a prompt chunk by chunk, yielding (real tokens n, logits, taps [chunk, n_taps, H], state) per chunk.
 
-    Logits are the chunk's last real token's [V], or with all_logits every real token's [n, V]. Everything is
+    Logits are the chunk's last real token's [V], or with all_logits every real token's [n, V]. Taps keep the
+    chunk's padding rows (fixed shape for a jitted consumer such as the drafter); the first n are real. Everything is
     checked before the first chunk runs, so a bad prompt leaves the state as it was.
     """
     ids = check_tokens(cfg, ids)
@@ -58,13 +59,13 @@ def prefill_chunks(params: dict, cfg: TargetConfig, state: TargetState, ids: np.
         n = len(part)
         tokens = jnp.asarray(np.pad(part, (0, chunk - n)))
         logits, tapped, state = _prefill_chunk(params, cfg, state, tokens, jnp.int32(n), taps, all_logits)
-        yield n, (logits[:n] if all_logits else logits), tapped[:n], state
+        yield n, (logits[:n] if all_logits else logits), tapped, state
 
 
 def prefill(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
             chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
     """Commit a prompt: the last token's logits [V], the taps of every prompt token [n, n_taps, H], the state."""
     tapped = []
-    for _, logits, t, state in prefill_chunks(params, cfg, state, ids, chunk=chunk, taps=taps):
-        tapped.append(t)
+    for n, logits, t, state in prefill_chunks(params, cfg, state, ids, chunk=chunk, taps=taps):
+        tapped.append(t[:n])
     return logits, jnp.concatenate(tapped), state

@@ -18,6 +18,7 @@ import numpy as np
 
 from dflash_jax.config import FULL_ATTENTION, TargetConfig
 from dflash_jax.engine.state import TargetState
+from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
 from dflash_jax.quant import QTensor, dequantize, linear, take_rows
 from pallas_kernels import reference as ref
 
@@ -91,29 +92,6 @@ def _conv_index(block: Block, kernel: int) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Layers
 
-def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, axis: int) -> jax.Array:
-    """cache with rows written at start.. along axis; rows past the end are dropped (a padded last prefill chunk)
-    rather than shifting the write back over committed slots, as dynamic_update_slice would."""
-    idx = (slice(None),) * axis + (start + jnp.arange(rows.shape[axis]),)
-    return cache.at[idx].set(rows.astype(cache.dtype), mode="drop")
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) * w over the last axis, in float32 (GGUF norms already include the +1)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def rope(x: jax.Array, pos: jax.Array, cfg: TargetConfig) -> jax.Array:
-    """NeoX rotate-half RoPE on the first rope_dim dims of each head: x [N, H, D], pos [N]."""
-    half = cfg.rope_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim))
-    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, half]
-    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
-    x1, x2, rest = x[..., :half], x[..., half:cfg.rope_dim], x[..., cfg.rope_dim:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-
-
 def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                length: jax.Array, block: Block) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated full attention over the committed cache plus the block's ancestors; writes the block's KV."""
@@ -123,8 +101,8 @@ def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_cache: jax.Array, v_c
     k = linear(u, p["wk"]).reshape(n, cfg.num_kv_heads, hd)
     v = linear(u, p["wv"]).reshape(n, cfg.num_kv_heads, hd)
     pos = length + block.depth
-    q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg)
-    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg)
+    q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
+    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
     k_cache = write_rows(k_cache, k, length, axis=0)
     v_cache = write_rows(v_cache, v, length, axis=0)
     slot = jnp.arange(k_cache.shape[0])
@@ -171,26 +149,28 @@ def _gdn_output(p: dict, cfg: TargetConfig, o: jax.Array, z: jax.Array) -> jax.A
     return linear(y.reshape(n, -1), p["w_out"])
 
 
-def _mlp(p: dict, x: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(x, p["w_gate"])) * linear(x, p["w_up"]), p["w_down"])
+def embed_tokens(params: dict, tokens: jax.Array) -> jax.Array:
+    """Embedding rows [N, H] float32 of token ids (the drafter embeds its block with these too)."""
+    embed = params["embed"]
+    return dequantize(take_rows(embed, tokens)) if isinstance(embed, QTensor) else embed[tokens]
+
+
+def output_logits(params: dict, hidden: jax.Array) -> jax.Array:
+    """The lm_head (or tied embedding) applied to already-normed hidden states (shared with the drafter)."""
+    return linear(hidden, params["lm_head"])
 
 
 def _logits(params: dict, cfg: TargetConfig, x: jax.Array) -> jax.Array:
-    return linear(rms_norm(x, params["norm"], cfg.rms_norm_eps), params["lm_head"])
-
-
-def _embed(params: dict, tokens: jax.Array) -> jax.Array:
-    embed = params["embed"]
-    return dequantize(take_rows(embed, tokens)) if isinstance(embed, QTensor) else embed[tokens]
+    return output_logits(params, rms_norm(x, params["norm"], cfg.rms_norm_eps))
 
 
 def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
              taps: tuple[int, ...], prefill_valid: jax.Array | None):
     """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
     verify (tree) leaves it and returns what the commit needs."""
-    x = _embed(params, tokens)
+    x = embed_tokens(params, tokens)
     k_cache, v_cache, conv, ssm = list(state.k), list(state.v), list(state.conv), list(state.ssm)
-    tap_out, carries = [], []
+    tap_out, carries = {}, []
     conv_index = _conv_index(block, cfg.conv_kernel)
     ia = ig = 0
     for i, p in enumerate(params["layers"]):
@@ -211,12 +191,13 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
             out = _gdn_output(p, cfg, o, z)
             ig += 1
         x = x + out
-        x = x + _mlp(p, rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps))
+        x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"])
         if i in taps:
-            tap_out.append(x)
+            tap_out[i] = x
     state = dataclasses.replace(state, k=jnp.stack(k_cache), v=jnp.stack(v_cache),
                                 conv=jnp.stack(conv), ssm=jnp.stack(ssm))
-    tapped = jnp.stack(tap_out, axis=1) if taps else jnp.zeros((tokens.shape[0], 0, cfg.hidden_size))
+    # taps come out in the order asked for (the drafter concatenates them in its target_layer_ids order)
+    tapped = jnp.stack([tap_out[i] for i in taps], axis=1) if taps else jnp.zeros((tokens.shape[0], 0, cfg.hidden_size))
     return x, tapped, state, Verified(block, conv_index, tuple(carries))
 
 

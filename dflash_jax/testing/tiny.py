@@ -151,3 +151,32 @@ if __name__ == "__main__":
     flags.DEFINE_string("config", os.path.join(CONFIG_DIR, "tiny-qwen35.json"), "HF-style target config.json.")
     flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
     app.run(main)
+
+
+def tiny_draft_config(target: TargetConfig, layer_types: tuple[str, ...] = ("full_attention", "full_attention"),
+                      block_size: int = 8, sliding_window: int | None = None, taps: tuple[int, ...] | None = None):
+    """A small DFlash drafter config for a target: its hidden size and vocab, taps spread over its layers."""
+    from dflash_jax.config import DraftConfig, default_target_layer_ids
+
+    heads = max(1, target.hidden_size // 32)
+    return DraftConfig(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size,
+        num_layers=len(layer_types), layer_types=tuple(layer_types), num_heads=heads, num_kv_heads=max(1, heads // 2),
+        head_dim=32, rope_theta=1e7, rms_norm_eps=1e-6, sliding_window=sliding_window, block_size=block_size,
+        mask_token_id=target.vocab_size - 1,
+        target_layer_ids=taps or default_target_layer_ids(target.num_layers, min(2, target.num_layers)),
+        num_target_layers=target.num_layers, max_position_embeddings=target.max_position_embeddings)
+
+
+def random_draft_tensors(cfg, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random float32 drafter weights by z-lab name (norms around 1)."""
+    from dflash_jax.models.draft import tensor_shapes
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in tensor_shapes(cfg).items():
+        if len(shape) == 1:
+            out[name] = (1.0 + rng.normal(0.0, 0.1, shape)).astype(np.float32)
+        else:
+            out[name] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape).astype(np.float32)
+    return out

@@ -1,0 +1,139 @@
+"""The generation loop: prefill, then jitted steps, dispatching step k+1 before reading step k's tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import EngineConfig, TargetConfig
+from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
+from dflash_jax.engine.state import init_state
+from dflash_jax.engine.step import MAX_STOP_IDS, DecodeState, DFlashDrafter, Drafter, emit_width, make_step
+from dflash_jax.models import draft as draft_model
+
+_extend = jax.jit(lambda drafter, params, state, taps, n: drafter.extend(params, state, taps, n),
+                  static_argnums=(0,))
+
+
+@dataclasses.dataclass
+class Generation:
+    """Generated tokens and how the run went."""
+
+    tokens: list[int]
+    accept_lengths: list[int]  # tokens emitted per step (accepted draft tokens + the bonus)
+    off_spine_steps: int  # steps whose accepted path left the draft's top-1 tokens (a tree branch paid off)
+    prefill_s: float
+    decode_s: float
+    stopped: bool  # ended at a stop token (else at n_gen)
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def mean_accept_length(self) -> float:
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decoded = sum(self.accept_lengths)
+        return decoded / self.decode_s if self.decode_s > 0 else 0.0
+
+    def histogram(self, width: int) -> list[int]:
+        """How many steps emitted 1, 2, ..., width tokens."""
+        return np.bincount(np.asarray(self.accept_lengths, int), minlength=width + 1)[1:width + 1].tolist()
+
+
+class Engine:
+    """A target, an optional drafter and an EngineConfig, with the compiled functions they need."""
+
+    def __init__(self, tcfg: TargetConfig, tparams: dict, ecfg: EngineConfig, drafter: Drafter | None = None,
+                 dparams: Any = None):
+        if ecfg.mode != "ar" and drafter is None:
+            raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
+        self.tcfg, self.tparams, self.ecfg = tcfg, tparams, ecfg
+        self.drafter = drafter if ecfg.mode != "ar" else None
+        self.dparams = dparams
+        self.block_size = drafter.block_size if self.drafter else 1
+        self.width = emit_width(ecfg, self.block_size)
+        self.verify_tokens = {"ar": 1, "chain": self.block_size, "ddtree": ecfg.budget + 1}[ecfg.mode]
+        self.step = make_step(tcfg, self.drafter, ecfg)
+
+    @classmethod
+    def from_loaded(cls, target, draft, ecfg: EngineConfig) -> "Engine":
+        """An engine from `load_target` / `load_draft` results (draft may be None in ar mode)."""
+        if draft is None:
+            return cls(target.config, target.params, ecfg)
+        dcfg = draft.config
+        draft_model.check_pair(dcfg, target.config)
+        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg), draft.params)
+
+    def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int,
+              stop_ids: Sequence[int] = ()) -> tuple[DecodeState, int]:
+        """Prefill a prompt: the decode state and the first generated token (already counted against n_gen)."""
+        ids = check_tokens(self.tcfg, prompt_ids)
+        if n_gen < 1:
+            raise InputError(f"n_gen must be at least 1, got {n_gen}")
+        if len(ids) + n_gen > self.ecfg.max_ctx:
+            raise InputError(f"prompt of {len(ids)} tokens + {n_gen} to generate exceeds the context of "
+                             f"{self.ecfg.max_ctx} tokens (raise max_ctx)")
+        kv_dtype = jnp.dtype(self.ecfg.kv_dtype)
+        tstate = init_state(self.tcfg, self.ecfg.max_ctx + self.verify_tokens, kv_dtype)
+        dstate = self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None
+        taps = self.drafter.taps if self.drafter else ()
+        for n, logits, tapped, tstate in prefill_chunks(self.tparams, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK,
+                                                        taps=taps):
+            if self.drafter:
+                dstate = _extend(self.drafter, self.dparams, dstate, tapped, jnp.int32(n))
+        first = int(jnp.argmax(logits))
+        done = first in stop_ids or n_gen == 1
+        state = DecodeState(target=tstate, draft=dstate, root=jnp.int32(first), remaining=jnp.int32(n_gen - 1),
+                            done=jnp.bool_(done))
+        return state, first
+
+    def stop_array(self, stop_ids: Sequence[int]) -> jax.Array:
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise InputError(f"at most {MAX_STOP_IDS} stop tokens are supported, got {len(stop_ids)}")
+        return jnp.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32)
+
+    def generate(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
+                 on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
+        """Greedy generation of up to n_gen tokens, ending after a stop token; on_tokens streams them."""
+        stops = self.stop_array(stop_ids)
+        t0 = time.perf_counter()
+        state, first = self.start(prompt_ids, n_gen, stop_ids)
+        jax.block_until_ready(state)
+        t1 = time.perf_counter()
+        tokens, lengths, off_spine = [first], [], 0
+        if on_tokens:
+            on_tokens([first])
+        stopped = first in stop_ids
+        finished = stopped or n_gen == 1
+        if not finished:
+            state, current = self.step(self.tparams, self.dparams, state, stops)
+        while not finished:
+            state, following = self.step(self.tparams, self.dparams, state, stops)  # queued before the read below
+            count = int(current.count)
+            new = np.asarray(current.tokens)[:count].tolist()
+            if count == 0:  # the device had already finished
+                break
+            lengths.append(count)
+            off_spine += bool(current.off_spine)
+            for i, tok in enumerate(new):
+                if tok in stop_ids:
+                    new, stopped = new[:i + 1], True
+                    break
+            new = new[:n_gen - len(tokens)]
+            tokens.extend(new)
+            if on_tokens and new:
+                on_tokens(new)
+            finished = stopped or len(tokens) >= n_gen
+            current = following
+        jax.block_until_ready(state)
+        return Generation(tokens=tokens, accept_lengths=lengths, off_spine_steps=off_spine, prefill_s=t1 - t0,
+                          decode_s=time.perf_counter() - t1, stopped=stopped)

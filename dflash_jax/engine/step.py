@@ -1,0 +1,155 @@
+"""One speculative decoding step as a single jitted function (DESIGN.md "One step"), state donated.
+
+draft -> tree -> target verify -> greedy acceptance walk -> commit, all on the device. The pending root token
+(the previous step's bonus) is verified as node 0; the step emits the accepted nodes' tokens and the new bonus.
+Modes: `ar` (the root alone), `chain` (the draft's greedy block as a chain), `ddtree` (best-first tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import DraftConfig, EngineConfig, TargetConfig
+from dflash_jax.engine.state import TargetState
+from dflash_jax.engine.tree import Tree, accept, build_tree, chain_tree
+from dflash_jax.models import draft as draft_model
+from dflash_jax.models import target
+
+MAX_STOP_IDS = 8  # stop tokens are passed as a fixed-size array (padded with -1) so a new set does not recompile
+
+
+class Drafter(Protocol):
+    """What the step needs from a drafter: a hashable static description with two pure functions."""
+
+    block_size: int
+    taps: tuple[int, ...]  # target layers whose outputs the drafter reads
+
+    def propose(self, params: Any, state: Any, target_params: dict, root: jax.Array,
+                position: jax.Array) -> jax.Array:
+        """Logits [block_size - 1, V] for depths 1.. below the root, which sits at `position`."""
+
+    def extend(self, params: Any, state: Any, taps: jax.Array, n_valid: jax.Array) -> Any:
+        """The drafter state after committing the first n_valid rows of taps [n, n_taps, H]."""
+
+    def init_state(self, slots: int, kv_dtype: jnp.dtype) -> Any:
+        """An empty drafter state with room for `slots` committed tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDrafter:
+    """The z-lab DFlash drafter (models/draft.py) behind the Drafter protocol."""
+
+    config: DraftConfig
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    def propose(self, params, state, target_params, root, position):
+        _, logits = draft_model.propose(params, self.config, state, target_params, root)
+        return logits[1:]
+
+    def extend(self, params, state, taps, n_valid):
+        return draft_model.extend_context(params, self.config, state, taps, n_valid)
+
+    def init_state(self, slots, kv_dtype):
+        return draft_model.init_draft_state(self.config, slots, kv_dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything that carries from step to step."""
+
+    target: TargetState
+    draft: Any  # the drafter's state (DraftState for DFlash; None in ar mode)
+    root: jax.Array  # [] int32: pending token, emitted but not yet run through the target
+    remaining: jax.Array  # [] int32: tokens still to emit
+    done: jax.Array  # [] bool: a stop token was emitted or nothing remains; further steps do nothing
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOut:
+    """The tokens a step emits (accepted draft tokens, then the bonus) and how many of them are real."""
+
+    tokens: jax.Array  # [width] int32
+    count: jax.Array  # [] int32, 0 when the step did nothing
+    off_spine: jax.Array  # [] bool: the accepted path took a draft token that was not the draft's top-1
+
+
+def emit_width(ecfg: EngineConfig, block_size: int) -> int:
+    """Most tokens one step can emit: the deepest accepted path plus the bonus."""
+    if ecfg.mode == "ar":
+        return 1
+    depth = block_size - 1 if ecfg.mode == "chain" else min(block_size - 1, ecfg.budget)
+    return depth + 1
+
+
+def _tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None) -> Tree:
+    if ecfg.mode == "ar":
+        return Tree(tokens=root[None], parents=jnp.full(1, -1, jnp.int32), depths=jnp.zeros(1, jnp.int32),
+                    valid=jnp.ones(1, bool), logw=jnp.zeros(1, jnp.float32))
+    if ecfg.mode == "chain":
+        return chain_tree(root, logits)
+    return build_tree(root, logits, ecfg.budget, min(ecfg.topk, ecfg.budget), ecfg.chain_seed)
+
+
+def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, *, tcfg: TargetConfig,
+          drafter: Drafter | None, ecfg: EngineConfig) -> tuple[DecodeState, StepOut]:
+    width = emit_width(ecfg, drafter.block_size if drafter else 1)
+    taps = drafter.taps if drafter else ()
+
+    def run(state: DecodeState) -> tuple[DecodeState, StepOut]:
+        position = state.target.length
+        logits = None
+        if ecfg.mode != "ar":
+            logits = drafter.propose(dparams, state.draft, tparams, state.root, position)
+        tree = _tree(ecfg, state.root, logits)
+        tlogits, tapped, tstate, verified = target.verify(tparams, tcfg, state.target, tree.tokens, tree.parents, taps)
+        posterior = jnp.argmax(tlogits, axis=-1).astype(jnp.int32)
+        leaf = accept(tree, verified.block.anc, posterior, state.remaining - 1, stop_ids)
+        tstate = target.commit(tstate, verified, leaf)
+        depth = tree.depths[leaf]
+        # path[d] = the accepted node at depth d (d <= depth), in path order
+        on_path = verified.block.anc[leaf][None, :] & (tree.depths[None, :] == jnp.arange(width)[:, None])
+        path = jnp.argmax(on_path, axis=1)
+        bonus = posterior[leaf]
+        out = jnp.where(jnp.arange(width) < depth, tree.tokens[path[jnp.minimum(jnp.arange(width) + 1, width - 1)]],
+                        bonus)
+        count = depth + 1
+        off_spine = jnp.bool_(False)
+        if logits is not None:
+            on_path_nodes = jnp.arange(width) < depth  # out[:depth] are the accepted draft tokens
+            top1 = jnp.argmax(logits, axis=-1)[:width - 1]
+            off_spine = jnp.any(on_path_nodes[:width - 1] & (out[:width - 1] != top1))
+        dstate = state.draft
+        if drafter is not None:
+            dstate = drafter.extend(dparams, state.draft, tapped[path], count)
+        emitted_stop = jnp.any(jnp.isin(out, stop_ids) & (jnp.arange(width) < count))
+        remaining = state.remaining - count
+        new = DecodeState(target=tstate, draft=dstate, root=bonus, remaining=remaining,
+                          done=emitted_stop | (remaining <= 0))
+        return new, StepOut(tokens=out, count=count, off_spine=off_spine)
+
+    def skip(state: DecodeState) -> tuple[DecodeState, StepOut]:
+        return state, StepOut(tokens=jnp.zeros(width, jnp.int32), count=jnp.int32(0), off_spine=jnp.bool_(False))
+
+    return jax.lax.cond(state.done, skip, run, state)
+
+
+@functools.lru_cache(maxsize=None)
+def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig):
+    """The jitted step for one (target, drafter, engine) configuration; the state argument is donated."""
+    if ecfg.mode != "ar" and drafter is None:
+        raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
+    return jax.jit(functools.partial(_step, tcfg=tcfg, drafter=drafter, ecfg=ecfg), donate_argnums=(2,))

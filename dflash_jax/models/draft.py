@@ -1,0 +1,147 @@
+"""The DFlash drafter (z-lab checkpoints, specs/dflash_ddtree.md §1): a block of [root, MASK x (B-1)] in one pass.
+
+Qwen3-style layers (pre-norm, q/k RMSNorm, NeoX RoPE over the whole head, SwiGLU). The target's tap features of
+committed tokens are fused (`hidden_norm(fc(concat(taps)))`) and injected only as extra keys and values: each
+layer projects them with its own k/v projection, k_norm and RoPE at the tokens' positions. Those context keys and
+values are computed once per committed token and kept in `DraftState` (the C++ engine recomputes them every step).
+The block is embedded with the target's embedding and read out through the target's lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import SLIDING_ATTENTION, ConfigError, DraftConfig, TargetConfig
+from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
+from dflash_jax.models.target import embed_tokens, output_logits
+from dflash_jax.quant import QTensor, linear
+from pallas_kernels import reference as ref
+
+# z-lab tensor name inside a layer -> parameter name
+LAYER_PARAMS = {
+    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
+}
+GLOBAL_PARAMS = {"fc.weight": "fc", "hidden_norm.weight": "hidden_norm", "norm.weight": "norm"}
+
+
+def tensor_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a z-lab checkpoint with its [out, in] shape."""
+    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    layer = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (cfg.num_heads * hd, h), "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
+        "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, cfg.num_heads * hd),
+        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+    }
+    shapes = {"fc.weight": (h, len(cfg.target_layer_ids) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for n in range(cfg.num_layers):
+        shapes.update({f"layers.{n}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+def params_from_tensors(cfg: DraftConfig, tensors: Mapping[str, QTensor | np.ndarray]) -> dict:
+    """The drafter's parameter pytree from tensors by z-lab name."""
+    params = {short: tensors[name] for name, short in GLOBAL_PARAMS.items()}
+    params["layers"] = tuple({short: tensors[f"layers.{n}.{name}"] for name, short in LAYER_PARAMS.items()}
+                             for n in range(cfg.num_layers))
+    return params
+
+
+def check_pair(draft: DraftConfig, target: TargetConfig, where: str = "drafter") -> None:
+    """Raise ConfigError unless the drafter can run on this target (shared embedding, head and tap layers)."""
+    problems = []
+    if draft.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {draft.hidden_size} != the target's {target.hidden_size}")
+    if draft.vocab_size != target.vocab_size:
+        problems.append(f"vocab {draft.vocab_size} != the target's {target.vocab_size}")
+    if draft.num_target_layers != target.num_layers:
+        problems.append(f"it was made for a target of {draft.num_target_layers} layers, this one has "
+                        f"{target.num_layers}")
+    if draft.mask_token_id >= target.vocab_size:
+        problems.append(f"mask token {draft.mask_token_id} is outside the target's vocab of {target.vocab_size}")
+    if problems:
+        raise ConfigError(f"{where} does not fit the target: " + "; ".join(problems))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftState:
+    """Each layer's context keys and values (roped, k-normed) for every committed token, and how many there are."""
+
+    k: jax.Array  # [layers, slots, kv_heads, head_dim]
+    v: jax.Array  # [layers, slots, kv_heads, head_dim]
+    length: jax.Array  # [] int32
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+
+def init_draft_state(cfg: DraftConfig, slots: int, kv_dtype: jnp.dtype = jnp.float32) -> DraftState:
+    """An empty context cache with room for `slots` committed tokens."""
+    shape = (cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim)
+    return DraftState(k=jnp.zeros(shape, kv_dtype), v=jnp.zeros(shape, kv_dtype), length=jnp.zeros((), jnp.int32))
+
+
+def _kv(p: dict, cfg: DraftConfig, x: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    n = x.shape[0]
+    k = linear(x, p["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    return rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.head_dim, cfg.rope_theta), v
+
+
+def extend_context(params: dict, cfg: DraftConfig, state: DraftState, taps: jax.Array,
+                   n_valid: jax.Array) -> DraftState:
+    """Append the first n_valid of n newly committed tokens' tap features [n, n_taps, H] to the context cache."""
+    n = taps.shape[0]
+    fused = rms_norm(linear(taps.reshape(n, -1), params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
+    pos = state.length + jnp.arange(n)
+    ks, vs = [], []
+    for layer, p in enumerate(params["layers"]):
+        k, v = _kv(p, cfg, fused, pos)
+        ks.append(write_rows(state.k[layer], k, state.length, axis=0))
+        vs.append(write_rows(state.v[layer], v, state.length, axis=0))
+    return DraftState(k=jnp.stack(ks), v=jnp.stack(vs), length=state.length + n_valid)
+
+
+def _mask(cfg: DraftConfig, layer: int, slots: int, length: jax.Array) -> jax.Array:
+    """[B, slots + B] visibility of context slots then block keys for the block's queries."""
+    b = cfg.block_size
+    key_pos = jnp.concatenate([jnp.arange(slots), length + jnp.arange(b)])
+    valid = jnp.concatenate([jnp.arange(slots) < length, jnp.ones(b, bool)])
+    mask = jnp.broadcast_to(valid[None, :], (b, slots + b))
+    if cfg.layer_types[layer] == SLIDING_ATTENTION:  # causal, and a window that includes the query itself
+        q_pos = (length + jnp.arange(b))[:, None]
+        mask = mask & (key_pos[None, :] <= q_pos) & (key_pos[None, :] > q_pos - cfg.sliding_window)
+    return mask
+
+
+def propose(params: dict, cfg: DraftConfig, state: DraftState, target_params: dict,
+            root: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draft the block [root, MASK x (B-1)] at positions length..: hidden [B, H] (after the final norm) and
+    logits [B, V] through the target's lm_head; row d predicts the token d places after the root."""
+    b, hd = cfg.block_size, cfg.head_dim
+    tokens = jnp.full((b,), cfg.mask_token_id, jnp.int32).at[0].set(root)
+    x = embed_tokens(target_params, tokens)
+    pos = state.length + jnp.arange(b)
+    for layer, p in enumerate(params["layers"]):
+        u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q = linear(u, p["wq"]).reshape(b, cfg.num_heads, hd)
+        q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, hd, cfg.rope_theta)
+        k, v = _kv(p, cfg, u, pos)
+        keys = jnp.concatenate([state.k[layer].astype(jnp.float32), k])
+        values = jnp.concatenate([state.v[layer].astype(jnp.float32), v])
+        o = ref.attention(q, keys, values, _mask(cfg, layer, state.slots, state.length))
+        x = x + linear(o.reshape(b, -1), p["wo"])
+        x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"])
+    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    return hidden, output_logits(target_params, hidden)

@@ -1,0 +1,36 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, NeoX RoPE, SwiGLU, cache row writes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.quant import QTensor, linear
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * w over the last axis, in float32 (GGUF norms already include Qwen3.5's +1)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
+
+
+def rope(x: jax.Array, pos: jax.Array, rope_dim: int, theta: float) -> jax.Array:
+    """NeoX rotate-half RoPE on the first rope_dim dims of each head: x [N, H, D], pos [N]."""
+    half = rope_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim))
+    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, half]
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:rope_dim], x[..., rope_dim:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def swiglu(x: jax.Array, w_gate: QTensor, w_up: QTensor, w_down: QTensor) -> jax.Array:
+    """down(silu(gate x) * up x)."""
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, axis: int) -> jax.Array:
+    """cache with rows written at start.. along axis; rows past the end are dropped (a padded last chunk)
+    rather than shifting the write back over committed slots, as dynamic_update_slice would."""
+    idx = (slice(None),) * axis + (start + jnp.arange(rows.shape[axis]),)
+    return cache.at[idx].set(rows.astype(cache.dtype), mode="drop")

@@ -1,0 +1,152 @@
+"""The speculative step: greedy chain and DDTree output equals greedy autoregressive output, one compilation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import ConfigError, EngineConfig
+from dflash_jax.engine import prefill as prefill_module
+from dflash_jax.engine.generate import Engine
+from dflash_jax.engine.prefill import InputError
+from dflash_jax.engine.step import DFlashDrafter
+from dflash_jax.models import draft as draft_model
+from dflash_jax.models.target import params_from_tensors
+from dflash_jax.testing.oracle import OracleDrafter
+from dflash_jax.testing.tiny import random_draft_tensors, random_gguf_tensors, tiny_draft_config, tiny_target_config
+
+TCFG = tiny_target_config(num_layers=4, interval=2, vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_heads=2, num_kv_heads=1, head_dim=32, rope_dim=8, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_num_value_heads=4)
+BLOCK, N_GEN, MAX_CTX = 8, 24, 192
+SEEDS = range(20)
+STOP = 7  # a stop token for the stop tests
+
+
+@pytest.fixture(scope="module")
+def tparams():
+    return jax.tree.map(jnp.asarray, params_from_tensors(TCFG, random_gguf_tensors(TCFG, seed=4)))
+
+
+def prompt(seed):
+    rng = np.random.default_rng(100 + seed)
+    return rng.integers(10, TCFG.vocab_size, int(rng.choice([3, 17, 64, 90])))
+
+
+@pytest.fixture(scope="module")
+def greedy(tparams):
+    """Greedy autoregressive output for every seed's prompt: the reference."""
+    ar = Engine(TCFG, tparams, EngineConfig(mode="ar", max_ctx=MAX_CTX))
+    return {seed: ar.generate(prompt(seed), N_GEN).tokens for seed in SEEDS}
+
+
+def oracle_engine(tparams, ecfg, error_rate=0.25):
+    return Engine(TCFG, tparams, ecfg, OracleDrafter(BLOCK, TCFG.vocab_size, error_rate, seed=1),
+                  {"sequence": jnp.zeros(MAX_CTX, jnp.int32)})
+
+
+def run_oracle(engine, seed, greedy_tokens):
+    ids = prompt(seed)
+    sequence = np.zeros(MAX_CTX, np.int32)
+    sequence[:len(ids) + N_GEN] = np.concatenate([ids, greedy_tokens])
+    engine.dparams = {"sequence": jnp.asarray(sequence)}
+    return engine.generate(ids, N_GEN)
+
+
+MODES = [EngineConfig(mode="chain", max_ctx=MAX_CTX)] + [
+    EngineConfig(mode="ddtree", budget=b, topk=k, chain_seed=s, max_ctx=MAX_CTX)
+    for b, k, s in [(4, 1, True), (4, 4, False), (8, 8, True), (8, 4, False), (22, 8, True), (22, 1, False),
+                    (40, 8, False), (40, 4, True)]]
+
+
+@pytest.mark.parametrize("ecfg", MODES, ids=lambda e: e.mode if e.mode == "chain" else
+                         f"B{e.budget}-K{e.topk}-{'seed' if e.chain_seed else 'paper'}")
+def test_oracle_drafter_is_lossless_and_accepts_deep_paths(tparams, greedy, ecfg):
+    engine = oracle_engine(tparams, ecfg)
+    lengths, off_spine = [], 0
+    for seed in SEEDS:
+        out = run_oracle(engine, seed, greedy[seed])
+        assert out.tokens == greedy[seed], seed
+        lengths += out.accept_lengths
+        off_spine += out.off_spine_steps
+    deepest = BLOCK if ecfg.mode == "chain" else min(BLOCK, ecfg.budget + 1)  # a full-depth path was accepted
+    assert max(lengths) >= deepest and np.mean(lengths) > 1.5, lengths
+    # the oracle's errors put the true token at rank 2 or 3: a tree with room beside its spine (budget >= 8) and
+    # top-K >= 3 takes some of them as branches
+    if ecfg.mode == "ddtree" and ecfg.topk >= 3 and ecfg.budget >= 8:
+        assert off_spine > 0
+    else:
+        assert off_spine == 0
+
+
+def test_trees_accept_more_than_the_chain_with_the_same_oracle(tparams, greedy):
+    mean = {}
+    for ecfg in (MODES[0], MODES[5]):  # chain vs DDTree budget 22, top-8, chain seed
+        engine = oracle_engine(tparams, ecfg)
+        mean[ecfg.mode] = np.mean([l for s in SEEDS for l in run_oracle(engine, s, greedy[s]).accept_lengths])
+    assert mean["ddtree"] > mean["chain"] + 0.3, mean
+
+
+@pytest.fixture(scope="module")
+def random_drafters():
+    out = {}
+    for name, types, window in [("full", ("full_attention", "full_attention"), None),
+                                ("swa", ("sliding_attention", "full_attention"), 5)]:
+        dcfg = tiny_draft_config(TCFG, types, block_size=BLOCK, sliding_window=window, taps=(0, 2))
+        out[name] = (DFlashDrafter(dcfg), jax.tree.map(jnp.asarray, draft_model.params_from_tensors(
+            dcfg, random_draft_tensors(dcfg, seed=3))))
+    return out
+
+
+@pytest.mark.parametrize("drafter, ecfg", [
+    ("full", EngineConfig(mode="chain", max_ctx=MAX_CTX)),
+    ("full", EngineConfig(mode="ddtree", budget=22, topk=8, chain_seed=True, max_ctx=MAX_CTX)),
+    ("swa", EngineConfig(mode="ddtree", budget=8, topk=4, chain_seed=False, max_ctx=MAX_CTX)),
+])
+def test_random_dflash_drafter_is_lossless(tparams, greedy, random_drafters, drafter, ecfg):
+    engine = Engine(TCFG, tparams, ecfg, *random_drafters[drafter])
+    for seed in SEEDS:
+        assert engine.generate(prompt(seed), N_GEN).tokens == greedy[seed], seed
+
+
+def test_one_compilation_per_mode_for_any_prompt_length(tparams, greedy):
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    engine = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=12, topk=3, max_ctx=MAX_CTX))
+    run_oracle(engine, 0, greedy[0])  # warm-up: compiles the step (and the prefill chunk if new)
+    before = len(compiles)
+    for seed in range(1, 8):  # prompt lengths 3, 17, 64, 90 and every acceptance pattern
+        run_oracle(engine, seed, greedy[seed])
+    assert len(compiles) == before, compiles[before:]
+    assert engine.step._cache_size() == 1 and prefill_module._prefill_chunk._cache_size() >= 1
+
+
+def test_stop_token_and_n_gen_cut_a_commit_mid_path(tparams, greedy):
+    seed = next(s for s in SEEDS if STOP not in greedy[s][:1])
+    ref = greedy[seed]
+    engine = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=22, max_ctx=MAX_CTX), error_rate=0.0)
+    ids = prompt(seed)
+    stop = ref[9]
+    sequence = np.zeros(MAX_CTX, np.int32)
+    sequence[:len(ids) + N_GEN] = np.concatenate([ids, ref])
+    engine.dparams = {"sequence": jnp.asarray(sequence)}
+    out = engine.generate(ids, N_GEN, stop_ids=[stop])
+    assert out.stopped and out.tokens == ref[:ref.index(stop) + 1]
+    out = engine.generate(ids, 11)
+    assert out.tokens == ref[:11] and not out.stopped and sum(out.accept_lengths) + 1 == 11
+
+
+def test_bad_engine_input_is_refused_before_any_compute(tparams):
+    for kwargs, message in [(dict(budget=0), "budget 0"), (dict(budget=64), "at most 64"), (dict(topk=0), "topk 0"),
+                            (dict(mode="beam"), "mode 'beam'")]:
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(TCFG, tparams, EngineConfig(mode="chain"))
+    engine = Engine(TCFG, tparams, EngineConfig(mode="ar", max_ctx=32))
+    with pytest.raises(InputError, match="exceeds the context of 32"):
+        engine.generate(np.arange(20), 13)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        engine.generate([1, TCFG.vocab_size], 4)
