@@ -109,12 +109,15 @@ def test_random_dflash_drafter_is_lossless(tparams, greedy, random_drafters, dra
         assert engine.generate(prompt(seed), N_GEN).tokens == greedy[seed], seed
 
 
-def test_one_compilation_per_mode_for_any_prompt_length(tparams, greedy):
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
-    engine = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=12, topk=3, max_ctx=MAX_CTX))
+COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: COMPILES.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+def test_one_compilation_per_mode_for_any_prompt_length(tparams, greedy, mode):
+    compiles = COMPILES
+    engine = oracle_engine(tparams, EngineConfig(mode=mode, budget=12, topk=3, max_ctx=MAX_CTX))
     run_oracle(engine, 0, greedy[0])  # warm-up: compiles the step (and the prefill chunk if new)
     before = len(compiles)
     for seed in range(1, 8):  # prompt lengths 3, 17, 64, 90 and every acceptance pattern

@@ -52,7 +52,8 @@ def test_bf16_directory_keeps_bf16_matrices_and_matches_f32_of_the_same_values(w
     assert isinstance(wq, QTensor) and wq.fmt == "BF16" and wq.data["w"].dtype == jnp.bfloat16
     assert bf16.params["layers"][0]["attn_norm"].dtype == jnp.float32  # norms (+1 folded in) stay float32
     ids = np.arange(1, 40) % CFG.vocab_size
-    np.testing.assert_array_equal(last_logits(bf16, ids), last_logits(f32, ids))
+    # the same float32 arithmetic on the same values (a GPU may fuse the bf16 widening differently: last-ulp noise)
+    np.testing.assert_allclose(last_logits(bf16, ids), last_logits(f32, ids), rtol=1e-5, atol=1e-6)
 
 
 def test_vlm_directory_loads_its_language_model(weights, tmp_path):
