@@ -129,3 +129,11 @@ def test_tree_block_masks_and_depths():
     idx = np.asarray(T._conv_index(block, 4))  # rows of concat(3 committed inputs, 6 block inputs)
     np.testing.assert_array_equal(idx[4], [3 + 0, 3 + 1, 3 + 3, 3 + 4])
     np.testing.assert_array_equal(idx[2], [1, 2, 3 + 0, 3 + 2])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 23, 64])
+def test_unit_lower_inverse_by_matmuls(n):
+    a = np.tril(np.random.default_rng(n).normal(0.0, 0.5, (2, n, n)), -1).astype(np.float32)
+    got = np.asarray(ref.unit_lower_inverse(jnp.asarray(a)))
+    want = np.linalg.inv(np.eye(n) + a.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
