@@ -45,12 +45,12 @@ def oracle_engine(tparams, ecfg, error_rate=0.25):
                   {"sequence": jnp.zeros(MAX_CTX, jnp.int32)})
 
 
-def run_oracle(engine, seed, greedy_tokens):
+def run_oracle(engine, seed, greedy_tokens, n_gen=N_GEN, stop_ids=()):
     ids = prompt(seed)
     sequence = np.zeros(MAX_CTX, np.int32)
     sequence[:len(ids) + N_GEN] = np.concatenate([ids, greedy_tokens])
     engine.dparams = {"sequence": jnp.asarray(sequence)}
-    return engine.generate(ids, N_GEN)
+    return engine.generate(ids, n_gen, stop_ids=stop_ids)
 
 
 MODES = [EngineConfig(mode="chain", max_ctx=MAX_CTX)] + [
@@ -130,14 +130,10 @@ def test_stop_token_and_n_gen_cut_a_commit_mid_path(tparams, greedy):
     seed = next(s for s in SEEDS if STOP not in greedy[s][:1])
     ref = greedy[seed]
     engine = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=22, max_ctx=MAX_CTX), error_rate=0.0)
-    ids = prompt(seed)
     stop = ref[9]
-    sequence = np.zeros(MAX_CTX, np.int32)
-    sequence[:len(ids) + N_GEN] = np.concatenate([ids, ref])
-    engine.dparams = {"sequence": jnp.asarray(sequence)}
-    out = engine.generate(ids, N_GEN, stop_ids=[stop])
+    out = run_oracle(engine, seed, ref, stop_ids=[stop])
     assert out.stopped and out.tokens == ref[:ref.index(stop) + 1]
-    out = engine.generate(ids, 11)
+    out = run_oracle(engine, seed, ref, n_gen=11)
     assert out.tokens == ref[:11] and not out.stopped and sum(out.accept_lengths) + 1 == 11
 
 

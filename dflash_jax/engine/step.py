@@ -121,8 +121,7 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
         tstate = target.commit(tstate, verified, leaf)
         depth = tree.depths[leaf]
         # path[d] = the accepted node at depth d (d <= depth), in path order
-        on_path = verified.block.anc[leaf][None, :] & (tree.depths[None, :] == jnp.arange(width)[:, None])
-        path = jnp.argmax(on_path, axis=1)
+        path = target.path_nodes(verified.block, leaf, width)
         bonus = posterior[leaf]
         out = jnp.where(jnp.arange(width) < depth, tree.tokens[path[jnp.minimum(jnp.arange(width) + 1, width - 1)]],
                         bonus)

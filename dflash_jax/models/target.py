@@ -244,13 +244,18 @@ def verify(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Arra
     return _logits(params, cfg, x), tapped, state, verified
 
 
+def path_nodes(block: Block, leaf: jax.Array, width: int) -> jax.Array:
+    """[width] index of the node at depth d on the root-to-leaf path (d <= depth of leaf; 0 past it)."""
+    at_depth = block.anc[leaf][None, :] & (block.depth[None, :] == jnp.arange(width)[:, None])  # [depth, node]
+    return jnp.argmax(at_depth, axis=1)
+
+
 def commit(state: TargetState, verified: Verified, leaf: jax.Array) -> TargetState:
     """Accept the root-to-leaf path ending at node `leaf`: compact its KV, take its GDN state, advance length."""
     block = verified.block
     n = block.depth.shape[0]
     path = block.anc[leaf]  # [N]
-    on_path_at = path[None, :] & (block.depth[None, :] == jnp.arange(n)[:, None])  # [depth, node]
-    src = state.length + jnp.argmax(on_path_at, axis=1)  # slot of the path node at each depth
+    src = state.length + path_nodes(block, leaf, n)  # slot of the path node at each depth
 
     def compact(cache):  # [layers, slots, ...]: path node at depth d moves to slot length + d
         return write_rows(cache, jnp.take(cache, src, axis=1), state.length, axis=1)
