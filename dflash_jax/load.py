@@ -28,6 +28,7 @@ from dflash_jax.models.draft import check_pair
 from dflash_jax.models.draft import params_from_tensors as draft_params_from_tensors
 from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
 from dflash_jax.models.target import params_from_tensors
+from dflash_jax.kernels import prepare_matrices, prepare_matrix, resolve_impl
 from dflash_jax.quant import QTensor
 from dflash_jax.weights import iter_hf_to_gguf
 
@@ -50,16 +51,22 @@ class Target:
     params: dict
     path: str
     gguf: GGUFModel | None  # the open file (tokenizer metadata lives there); None for an HF directory
+    impl: str = "reference"  # the kernel set its matrices are laid out for (dflash_jax.kernels)
 
 
-def load_target(path: str | os.PathLike, *, progress: bool = True) -> Target:
-    """A target from a GGUF file or an HF `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory."""
+def load_target(path: str | os.PathLike, *, progress: bool = True, impl: str = "auto") -> Target:
+    """A target from a GGUF file or an HF `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory.
+
+    impl: `reference`, `pallas` (quantized matrices repacked for the Pallas kernels as they load) or `auto`
+    (pallas on a GPU).
+    """
     path = os.fspath(path)
+    impl = resolve_impl(impl)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
-    if os.path.isdir(path):
-        return _load_hf_dir(path, progress)
-    return _load_gguf(path, progress)
+    target = _load_hf_dir(path, progress) if os.path.isdir(path) else _load_gguf(path, progress, impl)
+    # the embedding is read by row and stays a QTensor; a tied lm_head gets its own packed copy here
+    return dataclasses.replace(target, params=prepare_matrices(target.params, impl, skip=("embed",)), impl=impl)
 
 
 def _bar(total: int, path: str, progress: bool):
@@ -71,7 +78,7 @@ def _on_device(x: QTensor | np.ndarray):
     return jax.tree.map(jnp.asarray, x)
 
 
-def _load_gguf(path: str, progress: bool) -> Target:
+def _load_gguf(path: str, progress: bool, impl: str) -> Target:
     model = GGUFModel(path)
     cfg = model.config
     # MTP blocks (blk.N and up) are not used by the engine: skip their bytes.
@@ -79,7 +86,9 @@ def _load_gguf(path: str, progress: bool) -> Target:
     tensors = {}
     with _bar(sum(model.tensors[n].nbytes for n in names), path, progress) as bar:
         for name in names:
-            tensors[name] = _on_device(model.load(name))
+            x = _on_device(model.load(name))
+            # repacked one at a time, so the GGUF layout of only one tensor is on the device at once
+            tensors[name] = x if name == "token_embd.weight" else prepare_matrix(x, impl)
             bar.update(model.tensors[name].nbytes)
     return Target(cfg, params_from_tensors(cfg, tensors), path, model)
 

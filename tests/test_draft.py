@@ -25,7 +25,7 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def target(tiny_gguf_path):
-    return load_target(tiny_gguf_path, progress=False)
+    return load_target(tiny_gguf_path, progress=False, impl="reference")
 
 
 @pytest.mark.parametrize("name", ["draft-full", "draft-swa"])

@@ -55,10 +55,10 @@ def test_prefill_and_decode_match_transformers(reference, source, tmp_path):
     cfg, weights, seq, want = reference
     if source == "hf_dir":
         write_hf_dir(tmp_path / "hf", cfg, weights)
-        model = load_target(tmp_path / "hf", progress=False)
+        model = load_target(tmp_path / "hf", progress=False, impl="reference")
     else:
         write_hf_as_gguf(tmp_path / "m.gguf", weights, cfg, types=uniform_rule(GT.F32))
-        model = load_target(tmp_path / "m.gguf", progress=False)
+        model = load_target(tmp_path / "m.gguf", progress=False, impl="reference")
     assert model.config == cfg
     params = model.params
     state = init_state(cfg, slots=PROMPT + DECODE)

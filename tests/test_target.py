@@ -24,7 +24,7 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def model(tiny_gguf_path):
-    m = load_target(tiny_gguf_path, progress=False)
+    m = load_target(tiny_gguf_path, progress=False, impl="reference")
     return m.config, m.params
 
 

@@ -19,7 +19,8 @@ import numpy as np
 from dflash_jax.config import SLIDING_ATTENTION, ConfigError, DraftConfig, TargetConfig
 from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
 from dflash_jax.models.target import embed_tokens, output_logits
-from dflash_jax.quant import QTensor, linear
+from dflash_jax.kernels import linear
+from dflash_jax.quant import QTensor
 from pallas_kernels import reference as ref
 
 # z-lab tensor name inside a layer -> parameter name

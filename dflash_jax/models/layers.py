@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.quant import QTensor, linear
+from dflash_jax.kernels import linear
+from dflash_jax.quant import QTensor
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -19,7 +19,8 @@ import numpy as np
 from dflash_jax.config import FULL_ATTENTION, TargetConfig
 from dflash_jax.engine.state import TargetState
 from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
-from dflash_jax.quant import QTensor, dequantize, linear, take_rows
+from dflash_jax.kernels import linear
+from dflash_jax.quant import QTensor, dequantize, take_rows
 from pallas_kernels import reference as ref
 
 # GGUF tensor name inside a block -> parameter name.

@@ -1,0 +1,238 @@
+"""Fused dequantize + matmul for GGUF weights: x [M, K] (bf16) @ W[N, K]^T -> [M, N] float32, M = 1..64.
+
+The weight is repacked once at load (`pack`) into a `PackedWeight` within 3% of its GGUF bytes: the quant bytes
+keep GGUF order, reshaped to [N, super-blocks, ...] so that a tile of rows x super-blocks is one load; Q4_K/Q5_K's
+6-bit scales and mins are unpacked into bytes (148 bytes per 256 weights instead of 144 for Q4_K, 180 instead of 176
+for Q5_K); Q6_K, Q8_0 and bf16 keep their size.
+
+A super-block splits into column planes that unpack alike: Q4_K/Q5_K the low and the high nibbles of each byte,
+Q6_K its four 2-bit groups (`plane_columns` gives the weight column behind each plane column). Each program owns
+`block_n` rows of W and walks K a few super-blocks per step: per plane it dequantizes the tile in registers
+(`plane_tile`, the same function the reference runs), rounds it to bf16 and multiplies it on the tensor cores with
+the activations, which the wrapper permutes into each plane's column order once per call. Dense weights take a
+plain 2-D bf16 tile.
+
+Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from dflash_jax.quant import QK_K, QTensor, k_scale_min
+
+PACKED_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "BF16")
+_DENSE = ("F32", "F16", "BF16")
+M_MAX = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight [N, K] in the kernel's layout (see the module docstring); format and shape static."""
+
+    data: dict[str, jax.Array]  # every array is [N, units, ...]: one row of W per leading index
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self.data.values())
+
+
+def can_pack(qt: QTensor) -> bool:
+    """Whether the kernel takes this tensor: a format it streams, and for dense weights rows of 16k columns."""
+    if qt.fmt in _DENSE:
+        return qt.shape[1] % 16 == 0
+    return qt.fmt in PACKED_FORMATS
+
+
+def unit(fmt: str, k: int) -> int:
+    """Columns per unit of the K loop: a super-block (Q8_0: a block; dense: a column)."""
+    return {"Q8_0": 32, "BF16": 1}.get(fmt, QK_K)
+
+
+def planes(fmt: str) -> int:
+    """How many column planes a unit splits into (one dequantized tile and one product each)."""
+    return {"Q4_K": 2, "Q5_K": 2, "Q6_K": 4}.get(fmt, 1)
+
+
+def pack(qt: QTensor) -> PackedWeight:
+    """Repack a GGUF-layout QTensor into the kernel layout (once, at load; runs wherever its arrays live)."""
+    n, k = qt.shape
+    f = {name: jnp.asarray(a) for name, a in qt.data.items()}
+    if qt.fmt in _DENSE:
+        if k % 16:
+            raise ValueError(f"dense weight rows of {k} are not a multiple of 16")
+        return PackedWeight({"w": f["w"].astype(jnp.bfloat16)}, "BF16", (n, k))
+    if qt.fmt not in PACKED_FORMATS:
+        raise NotImplementedError(f"the qmatmul kernel does not take {qt.fmt} weights (it takes "
+                                  f"{', '.join(PACKED_FORMATS)}, F16, F32)")
+    nb = k // unit(qt.fmt, k)
+    if qt.fmt == "Q8_0":
+        data = {"qs": f["qs"].reshape(n, nb, 32), "d": f["d"].reshape(n, nb)}
+    elif qt.fmt == "Q6_K":
+        # ql byte 64h + 32cc + 16half + l; qh byte 32h + 16half + l; scale 8h + 2c + half -> [c, h, half]
+        data = {"ql": f["ql"].reshape(n, nb, 2, 2, 2, 16), "qh": f["qh"].reshape(n, nb, 2, 2, 16),
+                "sc": f["scales"].reshape(n, nb, 2, 4, 2).transpose(0, 1, 3, 2, 4), "d": f["d"].reshape(n, nb)}
+    else:  # Q4_K, Q5_K: scale of sub-block 2p + nib -> [nib, p]
+        sc, mn = k_scale_min(f["scales"])
+        split = lambda a: a.reshape(n, nb, 4, 2).transpose(0, 1, 3, 2)  # noqa: E731
+        data = {"qs": f["qs"].reshape(n, nb, 4, 32), "sc": split(sc), "mn": split(mn),
+                "d": f["d"].reshape(n, nb), "dmin": f["dmin"].reshape(n, nb)}
+        if qt.fmt == "Q5_K":
+            data["qh"] = f["qh"].reshape(n, nb, 32)
+    return PackedWeight(data, qt.fmt, (n, k))
+
+
+def plane_columns(fmt: str, k: int) -> np.ndarray:
+    """[planes, K / planes]: the column of W behind each column of each plane's flattened tile."""
+    sb = np.arange(k // unit(fmt, k))[:, None, None, None]
+    if fmt in ("Q4_K", "Q5_K"):  # plane nib, tile (unit, p, l): column 64p + 32nib + l
+        cols = [256 * sb + 64 * np.arange(4)[:, None] + 32 * nib + np.arange(32) for nib in range(2)]
+    elif fmt == "Q6_K":  # plane c, tile (unit, h, half, l): column 128h + 32c + 16half + l
+        cols = [256 * sb[..., None] + 128 * np.arange(2)[:, None, None] + 32 * c + 16 * np.arange(2)[:, None]
+                + np.arange(16) for c in range(4)]
+    else:
+        cols = [np.arange(k)]
+    return np.stack([c.reshape(-1) for c in cols])
+
+
+def plane_tile(fmt: str, plane: int, get) -> jax.Array:
+    """Dequantized float32 tile [rows, units, ...] of one plane; `get(name, *index)` reads a field's tile.
+
+    `get` returns the field for the tile's rows and units with the given trailing indices applied; the kernel
+    reads from refs, the reference from whole arrays, so both run this same arithmetic.
+    """
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
+    if fmt == "BF16":
+        return f32(get("w"))
+    if fmt == "Q8_0":
+        return f32(get("qs")) * f32(get("d"))[..., None]
+    if fmt == "Q6_K":
+        c = plane
+        low = (i32(get("ql", slice(None), c % 2)) >> (4 * (c // 2))) & 0xF  # [rows, units, h, half, 16]
+        q = low | (((i32(get("qh")) >> (2 * c)) & 3) << 4)
+        scale = f32(get("d"))[..., None, None] * f32(get("sc", c))  # [rows, units, h, half]
+        return f32(q - 32) * scale[..., None]
+    nib = plane  # Q4_K, Q5_K
+    q = (i32(get("qs")) >> (4 * nib)) & 0xF  # [rows, units, p, 32]
+    if fmt == "Q5_K":
+        shift = 2 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 4, 1), 2) + nib
+        q = q | (((i32(get("qh"))[:, :, None, :] >> shift) & 1) << 4)
+    scale = f32(get("d"))[..., None] * f32(get("sc", nib))  # [rows, units, p]
+    offset = f32(get("dmin"))[..., None] * f32(get("mn", nib))
+    return f32(q) * scale[..., None] - offset[..., None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+
+def dequantize_packed(pw: PackedWeight) -> jax.Array:
+    """The float32 [N, K] matrix a PackedWeight stores (equal to quant.dequantize of the tensor it came from)."""
+    n, k = pw.shape
+    get = lambda name, *idx: pw.data[name][(slice(None), slice(None), *idx)]  # noqa: E731
+    out = jnp.zeros((n, k), jnp.float32)
+    for plane, cols in enumerate(plane_columns(pw.fmt, k)):
+        out = out.at[:, cols].set(plane_tile(pw.fmt, plane, get).reshape(n, -1))
+    return out
+
+
+def qmatmul_reference(x: jax.Array, pw: PackedWeight) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32, with x rounded to bf16 as the kernel takes it."""
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.einsum("mk,nk->mn", xb, dequantize_packed(pw), precision=jax.lax.Precision.HIGHEST)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel
+
+def _pad_rows(m: int) -> int:
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def default_tiles(m_pad: int) -> tuple[int, int]:
+    """(rows of W per program, columns per K step): the best of a sweep on an H100 (scripts/bench_kernels.py
+    --sweep, 17408 x 5120 Q4_K and 5120 x 17408 Q6_K): narrow tiles for decode, wider ones for verify blocks;
+    64 activation rows get half the columns (512 would need 384 KiB of shared memory for 3 pipeline stages)."""
+    return {16: (32, 256), 32: (64, 512)}.get(m_pad, (64, 256))
+
+
+def units_per_step(fmt: str, k: int, columns: int = 512) -> int:
+    """Units per K-loop step: the largest power of two dividing the row's units with at most `columns` columns."""
+    units = k // unit(fmt, k)
+    s = 1
+    while units % (2 * s) == 0 and 2 * s * unit(fmt, k) <= columns:
+        s *= 2
+    if s * unit(fmt, k) < 16:
+        raise ValueError(f"{fmt} rows of {k} columns do not split into steps of 16 or more columns")
+    return s
+
+
+def _kernel(fmt: str, n: int, step: int, block_n: int, names: tuple[str, ...], *refs):
+    x_ref, *w_refs, o_ref = refs
+    w = dict(zip(names, w_refs))
+    r0 = pl.program_id(0) * block_n
+    rows = pl.ds(r0, block_n)
+    n_planes, m_pad, width = x_ref.shape[0], x_ref.shape[1], x_ref.shape[2] // w_refs[0].shape[1]
+
+    def body(i, acc):
+        def get(name, *idx):
+            ref = w[name]
+            ndim = ref.ndim - sum(isinstance(j, int) for j in idx)
+            ok = ((r0 + jnp.arange(block_n)) < n).reshape((block_n,) + (1,) * (ndim - 1))
+            idx = tuple(jnp.int32(j) if isinstance(j, int) else j for j in idx)
+            return plt.load(ref.at[(rows, pl.ds(i * step, step), *idx)], mask=ok, other=0,
+                            eviction_policy="evict_first")
+
+        for plane in range(n_planes):
+            if fmt == "BF16":  # a plain 2-D tile: measured twice as fast as the same bytes through a 3-D one
+                ok = ((r0 + jnp.arange(block_n)) < n)[:, None]
+                tile = plt.load(w["w"].at[rows, pl.ds(i * step, step)], mask=ok, other=0,
+                                eviction_policy="evict_first")
+            else:
+                tile = plane_tile(fmt, plane, get).reshape(block_n, -1).astype(jnp.bfloat16)
+            xt = x_ref[plane, :, pl.ds(i * step * width, step * width)]
+            acc = acc + jax.lax.dot_general(xt, tile, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+        return acc
+
+    units = w_refs[0].shape[1]
+    acc = jax.lax.fori_loop(0, units // step, body, jnp.zeros((m_pad, block_n), jnp.float32))
+    o_ref[:, pl.ds(r0, block_n)] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "columns", "num_warps", "num_stages", "interpret"))
+def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
+            num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64 (x and the dequantized tiles in bf16)."""
+    m, k = x.shape
+    n, kw = pw.shape
+    if k != kw:
+        raise ValueError(f"x has {k} columns, the weight {kw}")
+    if m > M_MAX:
+        raise ValueError(f"qmatmul takes at most {M_MAX} rows, got {m}")
+    m_pad = _pad_rows(m)
+    block_n = block_n or default_tiles(m_pad)[0]
+    columns = columns or default_tiles(m_pad)[1]
+    xb = jnp.zeros((m_pad, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
+    xp = xb[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)  # [planes, M, K / planes] in each plane's order
+    names = tuple(sorted(pw.data))
+    tiles = pl.cdiv(n, block_n)
+    out = pl.pallas_call(
+        functools.partial(_kernel, pw.fmt, n, units_per_step(pw.fmt, k, columns), block_n, names),
+        out_shape=jax.ShapeDtypeStruct((m_pad, tiles * block_n), jnp.float32),
+        grid=(tiles,),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"qmatmul_{pw.fmt.lower()}",
+    )(xp, *(pw.data[name] for name in names))
+    return out[:m, :n]

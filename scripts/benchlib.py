@@ -1,0 +1,43 @@
+"""Timing helpers shared by the benchmark scripts: device-to-device copy rate and median wall time of jitted calls.
+
+A jitted call is timed from dispatch to `block_until_ready`, after a warm-up call that compiles it; callers put
+enough work in one call (many layers' weights, several times the L2) that dispatch is a small part of it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def median_seconds(fn, *args, iters: int = 10) -> float:
+    """Median wall time of fn(*args) over `iters` runs after one warm-up run."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_rate(gib: float = 2.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written): the faster of a plain copy
+    and an elementwise scale of a `gib` GiB array (the higher ceiling makes every ratio against it conservative)."""
+    n = int(gib * 2**30) // 4
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    ops = (jax.jit(lambda a: a * 1.0001), jax.jit(jnp.copy))
+    return max(2 * x.nbytes / median_seconds(op, x, iters=20) for op in ops)
+
+
+def environment() -> dict:
+    """Device, jax version and date for a results file."""
+    dev = jax.devices()[0]
+    return {"device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
+            "jax": jax.__version__, "python": platform.python_version(),
+            "date": datetime.date.today().isoformat()}

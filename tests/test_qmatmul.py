@@ -1,0 +1,127 @@
+"""The fused dequantize + matmul kernel: packed layout exact against the GGUF dequantizers, the Pallas kernel
+(interpret mode on CPU, compiled with -m gpu) against its jnp reference, and the model under impl="pallas"."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY
+from dflash_jax import kernels, quant
+from dflash_jax.engine.prefill import prefill_chunks
+from dflash_jax.engine.state import init_state
+from dflash_jax.load import load_target
+from dflash_jax.testing.random_weights import random_qtensor
+from pallas_kernels import qmatmul as qm
+
+ON_GPU = jax.default_backend() == "gpu"
+QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0"]
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def weight(fmt, n, k, seed=0):
+    return random_qtensor(jax.random.key(seed), fmt, (n, k), scale=0.5)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_packed_layout_dequantizes_exactly(fmt):
+    """Random bits in every field (any scale, any quant): the packed layout holds the same matrix, bit for bit."""
+    qt = weight(fmt, 24, 512, seed=3)
+    pw = qm.pack(qt)
+    np.testing.assert_array_equal(np.asarray(qm.dequantize_packed(pw)), np.asarray(quant.dequantize(qt)))
+    packed, gguf = {"Q4_K": (148, 144), "Q5_K": (180, 176)}.get(fmt, (1, 1))  # 6-bit scales unpacked: +2.8%, +2.3%
+    assert pw.nbytes * gguf == qt.nbytes * packed
+
+
+@pytest.mark.parametrize("fmt", ["F32", "F16", "BF16"])
+def test_dense_weights_pack_to_bf16(fmt):
+    qt = weight(fmt, 8, 48)
+    pw = qm.pack(qt)
+    assert pw.fmt == "BF16"
+    expect = np.asarray(quant.dequantize(qt)).astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(qm.dequantize_packed(pw)), expect)
+
+
+# (format, N, K, M): ragged N (not a multiple of any tile), M = 1, odd, a full 16, past 16 and past 32
+CASES = [("Q4_K", 6, 256, 1), ("Q4_K", 40, 768, 17), ("Q5_K", 40, 512, 3), ("Q6_K", 17, 256, 5),
+         ("Q6_K", 33, 512, 33), ("Q8_0", 33, 96, 2), ("Q8_0", 16, 512, 16), ("BF16", 20, 48, 7),
+         ("BF16", 70, 512, 1)]
+
+
+@pytest.mark.parametrize("fmt,n,k,m", CASES)
+def test_kernel_matches_reference(fmt, n, k, m):
+    """Unwritten outputs would be NaN (interpret mode fills fresh buffers with NaN), inputs are random."""
+    pw = qm.pack(weight(fmt, n, k, seed=n + k))
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+    got = qm.qmatmul(x, pw, interpret=not ON_GPU)
+    assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
+    # the kernel rounds each dequantized tile to bf16 for the tensor cores: bf16-level agreement
+    assert rel(got, qm.qmatmul_reference(x, pw)) < 4e-3
+
+
+def test_tiles_of_every_width_agree():
+    pw = qm.pack(weight("Q4_K", 40, 1024, seed=1))
+    x = jax.random.normal(jax.random.key(1), (3, 1024), jnp.float32)
+    ref = qm.qmatmul_reference(x, pw)
+    for block_n, columns in ((16, 256), (32, 512), (64, 1024)):
+        got = qm.qmatmul(x, pw, block_n=block_n, columns=columns, interpret=not ON_GPU)
+        assert rel(got, ref) < 4e-3, (block_n, columns)
+
+
+def test_bad_inputs_raise():
+    pw = qm.pack(weight("Q8_0", 16, 64))
+    with pytest.raises(ValueError, match="columns"):
+        qm.qmatmul(jnp.ones((1, 32)), pw, interpret=True)
+    with pytest.raises(ValueError, match="at most 64"):
+        qm.qmatmul(jnp.ones((65, 64)), pw, interpret=True)
+    with pytest.raises(NotImplementedError, match="Q4_0"):
+        qm.pack(weight("Q4_0", 4, 64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        qm.pack(weight("F32", 4, 40))
+    with pytest.raises(ValueError, match="impl"):
+        kernels.resolve_impl("triton")
+
+
+def test_linear_splits_long_inputs_and_keeps_leading_axes():
+    qt = weight("Q6_K", 24, 256)
+    pw = kernels.prepare_matrix(qt, "pallas")
+    x = jax.random.normal(jax.random.key(5), (2, 35, 256), jnp.float32)  # 70 rows: two calls of <= 64
+    got = kernels.linear(x, pw)
+    assert got.shape == (2, 35, 24)
+    assert rel(got, kernels.linear(x.astype(jnp.bfloat16).astype(jnp.float32), qt)) < 4e-3
+    assert kernels.prepare_matrix(qt, "reference") is qt
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tiny fixture model end to end, and (GPU) the 27B's shapes
+
+REAL = [("Q4_K", 17408, 5120), ("Q5_K", 10240, 5120), ("Q6_K", 5120, 17408), ("Q8_0", 48, 5120),
+        ("BF16", 5120, 25600)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,n,k", REAL)
+@pytest.mark.parametrize("m", [1, 23, 64])
+def test_kernel_at_27b_shapes(fmt, n, k, m):
+    pw = qm.pack(weight(fmt, n, k, seed=m))
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+    got = qm.qmatmul(x, pw)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert rel(got, qm.qmatmul_reference(x, pw)) < 4e-3
+
+
+def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path):
+    """The whole tiny model through the kernel (interpret mode on CPU: ~25 s) against HF's float32 logits."""
+    model = load_target(tiny_gguf_path, progress=False, impl="pallas")
+    assert any(isinstance(x, qm.PackedWeight) for x in jax.tree.leaves(
+        model.params, is_leaf=lambda x: isinstance(x, qm.PackedWeight)))
+    refs = np.load(TINY / "ref.npz")
+    ids = np.load(TINY / "tokens.npy")
+    logits = np.concatenate([np.asarray(lg) for _, lg, _, _ in prefill_chunks(
+        model.params, model.config, init_state(model.config, 160), ids, all_logits=True)])
+    assert rel(logits, refs["hf_q_logits"]) < 2e-2  # bf16 activations and tiles against a float32 reference
+    assert np.mean(logits.argmax(-1) == refs["hf_q_logits"].argmax(-1)) > 0.95
