@@ -19,7 +19,6 @@ from dflash_jax.quant import linear as reference_linear
 from pallas_kernels import qmatmul as qm
 
 IMPLS = ("reference", "pallas")
-QUANTIZED = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 
 
 def default_impl() -> str:
@@ -52,7 +51,7 @@ def prepare_matrices(params: Any, impl: str, skip: tuple[str, ...] = ()) -> Any:
 
 def prepare_matrix(x: Any, impl: str) -> Any:
     """One tensor in the layout `impl` computes with (a quantized QTensor -> PackedWeight for `pallas`)."""
-    if resolve_impl(impl) == "pallas" and isinstance(x, QTensor) and x.fmt in QUANTIZED:
+    if resolve_impl(impl) == "pallas" and isinstance(x, QTensor) and x.fmt in qm.QUANTIZED_FORMATS:
         return qm.pack(x)
     return x
 

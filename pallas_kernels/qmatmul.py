@@ -26,10 +26,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dflash_jax.quant import QK_K, QTensor, k_scale_min
+from dflash_jax.quant import FORMATS, QK_K, QTensor, k_scale_min
 
-PACKED_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "BF16")
-_DENSE = ("F32", "F16", "BF16")
+QUANTIZED_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+PACKED_FORMATS = QUANTIZED_FORMATS + ("BF16",)  # dense F32/F16/BF16 weights all pack to BF16
 M_MAX = 64
 
 
@@ -47,28 +47,16 @@ class PackedWeight:
         return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self.data.values())
 
 
-def can_pack(qt: QTensor) -> bool:
-    """Whether the kernel takes this tensor: a format it streams, and for dense weights rows of 16k columns."""
-    if qt.fmt in _DENSE:
-        return qt.shape[1] % 16 == 0
-    return qt.fmt in PACKED_FORMATS
-
-
 def unit(fmt: str, k: int) -> int:
     """Columns per unit of the K loop: a super-block (Q8_0: a block; dense: a column)."""
     return {"Q8_0": 32, "BF16": 1}.get(fmt, QK_K)
-
-
-def planes(fmt: str) -> int:
-    """How many column planes a unit splits into (one dequantized tile and one product each)."""
-    return {"Q4_K": 2, "Q5_K": 2, "Q6_K": 4}.get(fmt, 1)
 
 
 def pack(qt: QTensor) -> PackedWeight:
     """Repack a GGUF-layout QTensor into the kernel layout (once, at load; runs wherever its arrays live)."""
     n, k = qt.shape
     f = {name: jnp.asarray(a) for name, a in qt.data.items()}
-    if qt.fmt in _DENSE:
+    if FORMATS[qt.fmt].dense:
         if k % 16:
             raise ValueError(f"dense weight rows of {k} are not a multiple of 16")
         return PackedWeight({"w": f["w"].astype(jnp.bfloat16)}, "BF16", (n, k))
@@ -182,22 +170,21 @@ def _kernel(fmt: str, n: int, step: int, block_n: int, names: tuple[str, ...], *
     w = dict(zip(names, w_refs))
     r0 = pl.program_id(0) * block_n
     rows = pl.ds(r0, block_n)
+    row_ok = (r0 + jnp.arange(block_n)) < n  # the last program's rows past N read zeros
     n_planes, m_pad, width = x_ref.shape[0], x_ref.shape[1], x_ref.shape[2] // w_refs[0].shape[1]
 
     def body(i, acc):
         def get(name, *idx):
             ref = w[name]
             ndim = ref.ndim - sum(isinstance(j, int) for j in idx)
-            ok = ((r0 + jnp.arange(block_n)) < n).reshape((block_n,) + (1,) * (ndim - 1))
+            ok = row_ok.reshape((block_n,) + (1,) * (ndim - 1))
             idx = tuple(jnp.int32(j) if isinstance(j, int) else j for j in idx)
             return plt.load(ref.at[(rows, pl.ds(i * step, step), *idx)], mask=ok, other=0,
                             eviction_policy="evict_first")
 
         for plane in range(n_planes):
             if fmt == "BF16":  # a plain 2-D tile: measured twice as fast as the same bytes through a 3-D one
-                ok = ((r0 + jnp.arange(block_n)) < n)[:, None]
-                tile = plt.load(w["w"].at[rows, pl.ds(i * step, step)], mask=ok, other=0,
-                                eviction_policy="evict_first")
+                tile = get("w")
             else:
                 tile = plane_tile(fmt, plane, get).reshape(block_n, -1).astype(jnp.bfloat16)
             xt = x_ref[plane, :, pl.ds(i * step * width, step * width)]

@@ -15,7 +15,6 @@ from dflash_jax.testing.random_weights import random_qtensor
 from pallas_kernels import qmatmul as qm
 
 ON_GPU = jax.default_backend() == "gpu"
-QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0"]
 
 
 def rel(a, b):
@@ -27,7 +26,7 @@ def weight(fmt, n, k, seed=0):
     return random_qtensor(jax.random.key(seed), fmt, (n, k), scale=0.5)
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("fmt", qm.QUANTIZED_FORMATS)
 def test_packed_layout_dequantizes_exactly(fmt):
     """Random bits in every field (any scale, any quant): the packed layout holds the same matrix, bit for bit."""
     qt = weight(fmt, 24, 512, seed=3)
@@ -115,7 +114,7 @@ def test_kernel_at_27b_shapes(fmt, n, k, m):
 
 
 def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path):
-    """The whole tiny model through the kernel (interpret mode on CPU: ~25 s) against HF's float32 logits."""
+    """The whole tiny model through the kernel (interpret mode on CPU: 15-25 s) against HF's float32 logits."""
     model = load_target(tiny_gguf_path, progress=False, impl="pallas")
     assert any(isinstance(x, qm.PackedWeight) for x in jax.tree.leaves(
         model.params, is_leaf=lambda x: isinstance(x, qm.PackedWeight)))
