@@ -1,10 +1,10 @@
 """The kernel switch: `impl="reference"` runs the plain-jnp paths, `impl="pallas"` the Pallas GPU kernels.
 
-Today the Pallas side covers the quantized matmuls (pallas_kernels/qmatmul.py): with `impl="pallas"` every
-Q4_K/Q5_K/Q6_K/Q8_0 matrix is repacked once at load into the kernel layout and `linear` dispatches on that type.
-Attention and the gated delta rule still run their jnp references under either impl (issue 5 is open for them);
-dense weights stay with XLA's product, which measured faster than the kernel's dense path (README, Kernels).
-On a CPU the Pallas kernels run in interpret mode (slow; for tests).
+Matrices: with `impl="pallas"` every Q4_K/Q5_K/Q6_K/Q8_0 matrix is repacked once at load into the qmatmul layout
+(pallas_kernels/qmatmul.py) and `linear` dispatches on that type; dense weights stay with XLA's product, which
+measured faster than the kernel's dense path (README, Kernels). Attention (pallas_kernels/tree_attention.py) and
+the gated delta rule (pallas_kernels/gdn.py) take `impl` as a static argument, which the models thread through
+from the loaded target. On a CPU the Pallas kernels run in interpret mode (slow; for tests).
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import jax.numpy as jnp
 
 from dflash_jax.quant import QTensor
 from dflash_jax.quant import linear as reference_linear
+from pallas_kernels import gdn
 from pallas_kernels import qmatmul as qm
+from pallas_kernels import reference as ref
+from pallas_kernels.tree_attention import tree_attention as _tree_attention_kernel
 
 IMPLS = ("reference", "pallas")
 
@@ -56,13 +59,48 @@ def prepare_matrix(x: Any, impl: str) -> Any:
     return x
 
 
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
 def linear(x: jax.Array, w: Any) -> jax.Array:
     """x [..., in] @ w.T -> float32, for a dense array, a QTensor (reference) or a PackedWeight (Pallas)."""
     if not isinstance(w, qm.PackedWeight):
         return reference_linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    interpret = jax.default_backend() != "gpu"
-    parts = [qm.qmatmul(rows[i:i + qm.M_MAX], w, interpret=interpret) for i in range(0, rows.shape[0], qm.M_MAX)]
+    parts = [qm.qmatmul(rows[i:i + qm.M_MAX], w, interpret=_interpret()) for i in range(0, rows.shape[0], qm.M_MAX)]
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return out.reshape(*lead, w.shape[0])
+
+
+def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
+                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, impl: str) -> jax.Array:
+    """A block's attention over the committed prefix and its own keys (reference.tree_attention for the args)."""
+    args = (q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo)
+    if resolve_impl(impl) == "reference":
+        return ref.tree_attention(*args)
+    return _tree_attention_kernel(*args, interpret=_interpret())
+
+
+def gdn_tree(q, k, v, g, beta, s0, anc, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The gated delta rule over a verified block: (o, v_new, gamma), as reference.gdn_block."""
+    if resolve_impl(impl) == "reference":
+        return ref.gdn_block(q, k, v, g, beta, s0, anc)
+    return gdn.gdn_tree(q, k, v, g, beta, s0, anc, interpret=_interpret())
+
+
+def gdn_chunked(q, k, v, g, beta, s0, impl: str) -> tuple[jax.Array, jax.Array]:
+    """The causal gated delta rule of a prefill in chunks of 64: (o, final state), as reference.gdn_chunked."""
+    if resolve_impl(impl) == "reference":
+        return ref.gdn_chunked(q, k, v, g, beta, s0)
+    return gdn.gdn_chunked(q, k, v, g, beta, s0, interpret=_interpret())
+
+
+def gdn_commit(ssm: jax.Array, k: list[jax.Array], v_new: list[jax.Array], gamma: list[jax.Array],
+               path: jax.Array, leaf: jax.Array, impl: str) -> jax.Array:
+    """Every GDN layer's state after the accepted path: ssm [L, H, dk, dv] and per-layer verify outputs."""
+    if resolve_impl(impl) == "reference":
+        return jnp.stack([ref.gdn_path_state(*layer, s0, path, leaf) for *layer, s0 in zip(k, v_new, gamma, ssm)])
+    return gdn.gdn_commit(ssm, jnp.stack(k), jnp.stack(v_new), jnp.stack(gamma), path, leaf,
+                          interpret=_interpret())

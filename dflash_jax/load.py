@@ -51,7 +51,7 @@ class Target:
     params: dict
     path: str
     gguf: GGUFModel | None  # the open file (tokenizer metadata lives there); None for an HF directory
-    impl: str = "reference"  # the kernel set its matrices are laid out for (dflash_jax.kernels)
+    impl: str = "reference"  # the kernel set its matrices are laid out for and its layers run (dflash_jax.kernels)
 
 
 def load_target(path: str | os.PathLike, *, progress: bool = True, impl: str = "auto") -> Target:

@@ -49,7 +49,8 @@ def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> Scor
     ids = check_tokens(cfg, ids)
     state = init_state(cfg, slots=-(-len(ids) // chunk) * chunk, kv_dtype=jnp.float32)
     logits = []
-    for _, lg, _, state in prefill_chunks(model.params, cfg, state, ids, chunk=chunk, all_logits=True):
+    for _, lg, _, state in prefill_chunks(model.params, cfg, state, ids, chunk=chunk, all_logits=True,
+                                          impl=model.impl):
         logits.append(np.asarray(lg, np.float32))  # to the host chunk by chunk: [n, V] can be large
     logits = np.concatenate(logits)
     if len(ids) < 2:

@@ -121,3 +121,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("grns,sgd->ngrd", probs, _f32(v)).reshape(n, hq, d)
+
+
+def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
+                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array) -> jax.Array:
+    """Attention of a block of N tokens over a committed prefix plus the block's own keys (tree_attention.py).
+
+    q [N, Hq, d]; k/v_cache [S, Hkv, d], of which query i sees slots prefix_lo[i] <= s < length; k/v_blk [N, Hkv, d],
+    of which query i sees key j where blk_mask[i, j]. Returns float32 [N, Hq, d].
+    """
+    slot = jnp.arange(k_cache.shape[0])
+    prefix = (slot[None, :] < length) & (slot[None, :] >= prefix_lo[:, None])
+    keys = jnp.concatenate([_f32(k_cache), _f32(k_blk)])
+    values = jnp.concatenate([_f32(v_cache), _f32(v_blk)])
+    return attention(q, keys, values, jnp.concatenate([prefix, blk_mask], axis=1))

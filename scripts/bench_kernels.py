@@ -1,11 +1,19 @@
 """Kernel benchmarks on the GPU, as ratios to the copy rate measured in the same run (issue 5, DESIGN.md).
 
-    python scripts/bench_kernels.py --out scripts/results/kernels_<device>.json [--sweep]
+    python scripts/bench_kernels.py --out scripts/results/kernels_<device>.json [--sweep] [--kernels ...]
 
 qmatmul: every 27B matrix shape in its Q4_K_M type, at M = 1 and M = 32 tokens, against XLA's dequantize-then-dot
 on the same weights. Rate = the weight's GGUF bytes / time (the packed layout reads up to 2.8% more; both are
 listed). Each timed call runs the product over enough copies of the weight to be several times the L2, so the
 weights stream from HBM and dispatch is a small part of the time. `--sweep` also times tile variants.
+
+tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
+heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
+over the copy rate. Also the jnp reference under XLA.
+
+gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
+chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B Q4_K_M matrices a decode step reads (every matrix but
+the embedding table) over the copy rate. Also the jnp reference under XLA.
 """
 
 from __future__ import annotations
@@ -20,11 +28,19 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import copy_rate, environment, median_seconds  # noqa: E402
+from benchlib import copy_rate, environment, gdn_layer_inputs, median_seconds  # noqa: E402
 
-from dflash_jax.quant import dequantize  # noqa: E402
+from dflash_jax.config import load_target_config  # noqa: E402
+from dflash_jax.gguf import tensor_specs  # noqa: E402
+from dflash_jax.quant import FORMATS, dequantize  # noqa: E402
+from dflash_jax.testing.gguf_writer import q4_k_m_rule  # noqa: E402
 from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
+from pallas_kernels import gdn  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
+from pallas_kernels import reference as ref  # noqa: E402
+from pallas_kernels.tree_attention import tree_attention  # noqa: E402
+
+CONFIG_27B = Path(__file__).resolve().parents[1] / "configs" / "qwen3.5-27b.json"
 
 # (name, fmt, N (out), K (in)) of the 27B's matrices; ffn_down and attn_qkv come in two types in Q4_K_M files.
 SHAPES = [
@@ -91,19 +107,143 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
     return rows
 
 
+def _random_tree(n: int, seed: int = 0) -> jax.Array:
+    """Ancestor-or-self mask of a bushy random tree of n nodes (parents within the previous 4 nodes)."""
+    anc = jnp.eye(n, dtype=bool)
+    parents = jax.random.randint(jax.random.key(seed), (n,), -4, 0) + jnp.arange(n)
+    for i in range(1, n):
+        anc = anc.at[i].set(anc[i] | anc[max(int(parents[i]), 0)])
+    return anc
+
+
+def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 32768)) -> list[dict]:
+    cfg = load_target_config(CONFIG_27B)
+    layers, hq, hkv, d = len(cfg.full_attention_layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    anc, lo = _random_tree(n), jnp.zeros(n, jnp.int32)
+    rows = []
+    for context in contexts:
+        slots = context + 64
+        key = jax.random.split(jax.random.key(context), 5)
+        caches = [(jax.random.normal(jax.random.fold_in(key[0], i), (slots, hkv, d), jnp.bfloat16),
+                   jax.random.normal(jax.random.fold_in(key[1], i), (slots, hkv, d), jnp.bfloat16))
+                  for i in range(layers)]
+        q = jax.random.normal(key[2], (n, hq, d))
+        kb, vb = (jax.random.normal(k, (n, hkv, d)) for k in key[3:5])
+        length = jnp.int32(context)
+        floor_bytes = layers * (2 * context * hkv * d * 2 + (n * hq * d + 2 * n * hkv * d) * 4)
+        want = ref.tree_attention(q, *caches[0], length, kb, vb, anc, lo)
+        variants = [dict()]
+        if sweep:
+            variants += [dict(splits=s, block_rows=r, block_k=b, num_warps=w) for s in (8, 32, 64) for r in (32, 64)
+                         for b in (64, 128) for w in (4, 8)]
+        for opts in variants:
+            try:
+                run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo, **o)
+                                                     for kc, vc in cs])
+                err = float(jnp.linalg.norm(run(q, caches)[0] - want) / jnp.linalg.norm(want))
+                t = median_seconds(run, q, caches)
+            except Exception as e:  # a variant that does not compile is a result of the sweep, not a failure
+                print(f"  tree_attention ctx={context} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            floor = floor_bytes / copy
+            rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers, **(opts or {"tile": "default"}),
+                             us=t * 1e6, floor_us=floor * 1e6, floor_ratio=floor / t, rel_err=err))
+            print(f"  tree_attention ctx={context:6d} N={n} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
+                  f"(floor {floor*1e6:7.1f} us, {floor / t:4.2f} of it)  err {err:.1e}", flush=True)
+        xla = jax.jit(lambda q, cs: [ref.tree_attention(q, kc, vc, length, kb, vb, anc, lo) for kc, vc in cs])
+        t = median_seconds(xla, q, caches)
+        rows.append(dict(kernel="xla_tree_attention", context=context, n=n, layers=layers, us=t * 1e6,
+                         floor_us=floor_bytes / copy * 1e6, floor_ratio=floor_bytes / copy / t))
+        print(f"  tree_attention ctx={context:6d} N={n} {'XLA reference':45s} {t*1e6:8.1f} us", flush=True)
+        del caches
+    return rows
+
+
+def ar_weight_bytes() -> int:
+    """Bytes of the 27B Q4_K_M matrices one decode step streams: every matrix of the 64 layers and the output head
+    (not the embedding table, read by row, nor the MTP block, which the engine does not run)."""
+    cfg = load_target_config(CONFIG_27B)
+    rule, total = q4_k_m_rule(cfg), 0
+    for name, spec in tensor_specs(cfg).items():
+        block = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        if spec.kind != "matrix" or name == "token_embd.weight" or block >= cfg.num_layers:
+            continue
+        fmt = FORMATS[rule(name, spec).name]
+        total += math.prod(spec.shape) // fmt.block_size * fmt.type_size
+    return total
+
+
+def bench_gdn(copy: float, n: int = 23) -> list[dict]:
+    cfg = load_target_config(CONFIG_27B)
+    layers, h = len(cfg.linear_attention_layers), cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    anc = _random_tree(n)
+    per_layer, ssm = gdn_layer_inputs(1, layers, n, h, dk, dv)
+    ar_s = ar_weight_bytes() / copy
+    rows = []
+
+    def verify_all(fn):
+        return jax.jit(lambda xs, ssm: [fn(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i], anc)
+                                        for i, x in enumerate(xs)])
+
+    leaf = jnp.int32(n - 1)
+    for name, run in (("gdn verify", verify_all(gdn.gdn_tree)), ("XLA reference verify", verify_all(ref.gdn_block))):
+        t = median_seconds(run, per_layer, ssm)
+        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s))
+        print(f"  {name:22s} N={n} x {layers} layers {t*1e6:8.1f} us = {t / ar_s:5.3f} of the AR step's weight "
+              f"streaming ({ar_s*1e6:.0f} us)", flush=True)
+    tokens64 = [{name: jnp.concatenate([a, a, a])[:64] for name, a in x.items()} for x in per_layer]
+    prefill_all = lambda fn: jax.jit(lambda xs, ssm: [fn(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i])  # noqa: E731
+                                                      for i, x in enumerate(xs)])
+    for name, run in (("gdn prefill chunk", prefill_all(gdn.gdn_chunked)),
+                      ("XLA reference prefill", prefill_all(ref.gdn_chunked))):
+        t = median_seconds(run, tokens64, ssm)
+        rows.append(dict(kernel=name, n=64, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s))
+        print(f"  {name:22s} T=64 x {layers} layers {t*1e6:8.1f} us", flush=True)
+    outs = verify_all(gdn.gdn_tree)(per_layer, ssm)
+    carry = (jnp.stack([x["k"] for x in per_layer]), jnp.stack([o[1] for o in outs]), jnp.stack([o[2] for o in outs]))
+    commit = jax.jit(lambda s, k, vn, gm: gdn.gdn_commit(s, k, vn, gm, anc[n - 1], leaf))
+    commit_ref = jax.jit(lambda s, k, vn, gm: jax.vmap(
+        lambda s, k, vn, gm: ref.gdn_path_state(k, vn, gm, s, anc[n - 1], leaf))(s, k, vn, gm))
+    state_bytes = 2 * ssm.nbytes  # read S0, write S
+    for name, run in (("gdn commit", commit), ("XLA reference commit", commit_ref)):
+        t = median_seconds(run, ssm, *carry)
+        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, floor_us=state_bytes / copy * 1e6,
+                         floor_ratio=state_bytes / copy / t, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s))
+        print(f"  {name:22s} N={n} x {layers} layers {t*1e6:8.1f} us (state read + write floor "
+              f"{state_bytes / copy * 1e6:.0f} us) = {t / ar_s:5.3f} of the AR step's weight streaming", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="results JSON")
     ap.add_argument("--sweep", action="store_true", help="also time tile variants of qmatmul")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32], help="token counts for qmatmul")
     ap.add_argument("--only", nargs="+", help="matrices to run, as NAME:FMT (e.g. ffn_down:Q6_K)")
+    ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
+                    choices=["qmatmul", "tree_attention", "gdn"], help="which kernels to time")
     args = ap.parse_args()
     env = environment()
     copy = copy_rate()
     print(f"{env}\ncopy rate {copy / 1e12:.2f} TB/s (read + write)", flush=True)
-    rows = bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()))
+    rows = []
+    if "qmatmul" in args.kernels:
+        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()))
+    if "tree_attention" in args.kernels:
+        rows += bench_tree_attention(copy, args.sweep)
+    if "gdn" in args.kernels:
+        rows += bench_gdn(copy)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(env, copy_rate=copy, results=rows), indent=1))
+    for r in rows:
+        if r["kernel"] not in ("qmatmul", "xla_dequant_dot") and "splits" not in r:  # not a sweep variant
+            extra = f"  {r['floor_ratio']:.2f} of floor" if "floor_ratio" in r else ""
+            extra += f"  {r['of_ar']:.3f} of AR weights" if "of_ar" in r else ""
+            print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} {r['us']:9.1f} us"
+                  + extra)
+    if "qmatmul" not in args.kernels:
+        return
     print("\nqmatmul, default tiles (ratio = GGUF weight bytes/s over the copy rate)")
     print(f"{'matrix':12s} {'fmt':5s} {'N':>6s} {'K':>6s} " + " ".join(f"{'M=' + str(m):>13s}" for m in args.m)
           + "   XLA M=" + str(args.m[0]))

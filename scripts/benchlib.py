@@ -41,3 +41,16 @@ def environment() -> dict:
     return {"device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
             "jax": jax.__version__, "python": platform.python_version(),
             "date": datetime.date.today().isoformat()}
+
+
+def gdn_layer_inputs(seed: int, layers: int, n: int, h: int, dk: int, dv: int) -> tuple[list[dict], jax.Array]:
+    """Random delta-rule inputs of n tokens for each of `layers` layers (separate arrays, as the model has them:
+    unit keys, scaled unit queries, log-decays in (-1, 0], beta in (0, 1)) and their stacked states."""
+    key = jax.random.split(jax.random.key(seed), 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    per_layer = [dict(q=unit(jax.random.normal(jax.random.fold_in(key[0], i), (n, h, dk))) * dk ** -0.5,
+                      k=unit(jax.random.normal(jax.random.fold_in(key[1], i), (n, h, dk))),
+                      v=jax.random.normal(jax.random.fold_in(key[2], i), (n, h, dv)),
+                      g=-jax.random.uniform(jax.random.fold_in(key[3], i), (n, h)),
+                      beta=jax.random.uniform(jax.random.fold_in(key[4], i), (n, h))) for i in range(layers)]
+    return per_layer, jax.random.normal(key[5], (layers, h, dk, dv)) * 0.1

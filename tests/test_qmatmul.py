@@ -121,6 +121,6 @@ def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path):
     refs = np.load(TINY / "ref.npz")
     ids = np.load(TINY / "tokens.npy")
     logits = np.concatenate([np.asarray(lg) for _, lg, _, _ in prefill_chunks(
-        model.params, model.config, init_state(model.config, 160), ids, all_logits=True)])
+        model.params, model.config, init_state(model.config, 160), ids, all_logits=True, impl=model.impl)])
     assert rel(logits, refs["hf_q_logits"]) < 2e-2  # bf16 activations and tiles against a float32 reference
     assert np.mean(logits.argmax(-1) == refs["hf_q_logits"].argmax(-1)) > 0.95

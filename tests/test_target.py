@@ -13,8 +13,8 @@ from pallas_kernels import reference as ref
 
 from conftest import TINY
 
-verify = jax.jit(T.verify, static_argnums=(1, 5))
-commit = jax.jit(T.commit)
+verify = jax.jit(T.verify, static_argnums=(1, 5, 6))
+commit = jax.jit(T.commit, static_argnums=(3,))
 SLOTS = 160
 
 
@@ -105,6 +105,24 @@ def test_commit_of_any_node_then_decode_equals_plain_sequence(model):
         plain, _ = run_prefill(cfg, params, seq)
         assert int(after.length) == len(seq) - 1
         assert rel(np.asarray(lg)[0], plain[-1]) < 1e-4, leaf
+
+
+def test_pallas_attention_and_gdn_verify_and_commit_like_the_reference(model):
+    """impl="pallas" (the tree-attention and delta-rule kernels; interpret mode on CPU) on a 16-node tree."""
+    cfg, params = model
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, 16).astype(np.int32))
+    parents = jnp.asarray(random_tree(rng, 16))
+    _, state = run_prefill(cfg, params, rng.integers(0, cfg.vocab_size, 37))
+    out = {}
+    for impl in ("reference", "pallas"):
+        logits, _, verified_state, ver = verify(params, cfg, state, tokens, parents, (), impl)
+        out[impl] = logits, commit(verified_state, ver, jnp.int32(13), impl)
+    (lg, after), (lg_ref, after_ref) = out["pallas"], out["reference"]
+    assert rel(lg, np.asarray(lg_ref)) < 2e-2  # attention products in bf16
+    assert np.mean(np.argmax(lg, -1) == np.argmax(lg_ref, -1)) > 0.9
+    assert rel(after.ssm, np.asarray(after_ref.ssm)) < 2e-2
+    assert rel(after.k, np.asarray(after_ref.k)) < 2e-2 and int(after.length) == int(after_ref.length)
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200])

@@ -50,10 +50,11 @@ class Generation:
 
 
 class Engine:
-    """A target, an optional drafter and an EngineConfig, with the compiled functions they need."""
+    """A target, an optional drafter and an EngineConfig, with the compiled functions they need; `impl` picks the
+    target's attention and gated-delta-rule kernels (dflash_jax.kernels)."""
 
     def __init__(self, tcfg: TargetConfig, tparams: dict, ecfg: EngineConfig, drafter: Drafter | None = None,
-                 dparams: Any = None):
+                 dparams: Any = None, impl: str = "reference"):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
         self.tcfg, self.tparams, self.ecfg = tcfg, tparams, ecfg
@@ -62,16 +63,18 @@ class Engine:
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
         self.verify_tokens = {"ar": 1, "chain": self.block_size, "ddtree": ecfg.budget + 1}[ecfg.mode]
-        self.step = make_step(tcfg, self.drafter, ecfg)
+        self.impl = impl
+        self.step = make_step(tcfg, self.drafter, ecfg, impl)
 
     @classmethod
     def from_loaded(cls, target, draft, ecfg: EngineConfig) -> "Engine":
         """An engine from `load_target` / `load_draft` results (draft may be None in ar mode)."""
         if draft is None:
-            return cls(target.config, target.params, ecfg)
+            return cls(target.config, target.params, ecfg, impl=target.impl)
         dcfg = draft.config
         draft_model.check_pair(dcfg, target.config)
-        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg), draft.params)
+        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.impl), draft.params,
+                   impl=target.impl)
 
     def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int,
               stop_ids: Sequence[int] = ()) -> tuple[DecodeState, int]:
@@ -87,7 +90,7 @@ class Engine:
         dstate = self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None
         taps = self.drafter.taps if self.drafter else ()
         for n, logits, tapped, tstate in prefill_chunks(self.tparams, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK,
-                                                        taps=taps):
+                                                        taps=taps, impl=self.impl):
             if self.drafter:
                 dstate = _extend(self.drafter, self.dparams, dstate, tapped, jnp.int32(n))
         first = int(jnp.argmax(logits))

@@ -14,7 +14,7 @@ from dflash_jax.models import target
 
 DEFAULT_CHUNK = 64  # the chunked gated delta rule's chunk: one compilation covers every prompt length
 
-_prefill_chunk = jax.jit(target.prefill_chunk, static_argnums=(1, 5, 6))
+_prefill_chunk = jax.jit(target.prefill_chunk, static_argnums=(1, 5, 6), static_argnames=("impl",))
 
 
 class InputError(ValueError):
@@ -44,8 +44,8 @@ def check_room(state: TargetState, n: int) -> None:
 
 
 def prefill_chunks(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
-                   chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), all_logits: bool = False
-                   ) -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
+                   chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), all_logits: bool = False,
+                   impl: str = "reference") -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
     """Commit a prompt chunk by chunk, yielding (real tokens n, logits, taps [chunk, n_taps, H], state) per chunk.
 
     Logits are the chunk's last real token's [V], or with all_logits every real token's [n, V]. Taps keep the
@@ -58,14 +58,15 @@ def prefill_chunks(params: dict, cfg: TargetConfig, state: TargetState, ids: np.
         part = ids[start:start + chunk]
         n = len(part)
         tokens = jnp.asarray(np.pad(part, (0, chunk - n)))
-        logits, tapped, state = _prefill_chunk(params, cfg, state, tokens, jnp.int32(n), taps, all_logits)
+        logits, tapped, state = _prefill_chunk(params, cfg, state, tokens, jnp.int32(n), taps, all_logits, impl=impl)
         yield n, (logits[:n] if all_logits else logits), tapped, state
 
 
 def prefill(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
-            chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
+            chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), impl: str = "reference"
+            ) -> tuple[jax.Array, jax.Array, TargetState]:
     """Commit a prompt: the last token's logits [V], the taps of every prompt token [n, n_taps, H], the state."""
     tapped = []
-    for n, logits, t, state in prefill_chunks(params, cfg, state, ids, chunk=chunk, taps=taps):
+    for n, logits, t, state in prefill_chunks(params, cfg, state, ids, chunk=chunk, taps=taps, impl=impl):
         tapped.append(t[:n])
     return logits, jnp.concatenate(tapped), state

@@ -42,9 +42,10 @@ class Drafter(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class DFlashDrafter:
-    """The z-lab DFlash drafter (models/draft.py) behind the Drafter protocol."""
+    """The z-lab DFlash drafter (models/draft.py) behind the Drafter protocol; `impl` picks its attention kernel."""
 
     config: DraftConfig
+    impl: str = "reference"
 
     @property
     def block_size(self) -> int:
@@ -55,7 +56,7 @@ class DFlashDrafter:
         return self.config.target_layer_ids
 
     def propose(self, params, state, target_params, root, position):
-        _, logits = draft_model.propose(params, self.config, state, target_params, root)
+        _, logits = draft_model.propose(params, self.config, state, target_params, root, self.impl)
         return logits[1:]
 
     def extend(self, params, state, taps, n_valid):
@@ -105,7 +106,7 @@ def _tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None) -> Tree
 
 
 def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, *, tcfg: TargetConfig,
-          drafter: Drafter | None, ecfg: EngineConfig) -> tuple[DecodeState, StepOut]:
+          drafter: Drafter | None, ecfg: EngineConfig, impl: str) -> tuple[DecodeState, StepOut]:
     width = emit_width(ecfg, drafter.block_size if drafter else 1)
     taps = drafter.taps if drafter else ()
 
@@ -115,10 +116,11 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
         if ecfg.mode != "ar":
             logits = drafter.propose(dparams, state.draft, tparams, state.root, position)
         tree = _tree(ecfg, state.root, logits)
-        tlogits, tapped, tstate, verified = target.verify(tparams, tcfg, state.target, tree.tokens, tree.parents, taps)
+        tlogits, tapped, tstate, verified = target.verify(tparams, tcfg, state.target, tree.tokens, tree.parents, taps,
+                                                          impl)
         posterior = jnp.argmax(tlogits, axis=-1).astype(jnp.int32)
         leaf = accept(tree, verified.block.anc, posterior, state.remaining - 1, stop_ids)
-        tstate = target.commit(tstate, verified, leaf)
+        tstate = target.commit(tstate, verified, leaf, impl)
         depth = tree.depths[leaf]
         # path[d] = the accepted node at depth d (d <= depth), in path order
         path = target.path_nodes(verified.block, leaf, width)
@@ -147,8 +149,8 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
 
 
 @functools.lru_cache(maxsize=None)
-def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig):
-    """The jitted step for one (target, drafter, engine) configuration; the state argument is donated."""
+def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, impl: str = "reference"):
+    """The jitted step for one (target, drafter, engine, kernel set) configuration; the state argument is donated."""
     if ecfg.mode != "ar" and drafter is None:
         raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
-    return jax.jit(functools.partial(_step, tcfg=tcfg, drafter=drafter, ecfg=ecfg), donate_argnums=(2,))
+    return jax.jit(functools.partial(_step, tcfg=tcfg, drafter=drafter, ecfg=ecfg, impl=impl), donate_argnums=(2,))

@@ -19,9 +19,9 @@ import numpy as np
 from dflash_jax.config import SLIDING_ATTENTION, ConfigError, DraftConfig, TargetConfig
 from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
 from dflash_jax.models.target import embed_tokens, output_logits
+from dflash_jax import kernels
 from dflash_jax.kernels import linear
 from dflash_jax.quant import QTensor
-from pallas_kernels import reference as ref
 
 # z-lab tensor name inside a layer -> parameter name
 LAYER_PARAMS = {
@@ -114,22 +114,25 @@ def extend_context(params: dict, cfg: DraftConfig, state: DraftState, taps: jax.
     return DraftState(k=jnp.stack(ks), v=jnp.stack(vs), length=state.length + n_valid)
 
 
-def _mask(cfg: DraftConfig, layer: int, slots: int, length: jax.Array) -> jax.Array:
-    """[B, slots + B] visibility of context slots then block keys for the block's queries."""
+def _visibility(cfg: DraftConfig, layer: int, length: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Which keys the block's queries see: (block mask [B, B], first visible context slot per query [B]).
+
+    Full layers see every committed slot and the whole block; sliding layers are causal within the block and see
+    keys up to sliding_window - 1 positions back, the query itself included."""
     b = cfg.block_size
-    key_pos = jnp.concatenate([jnp.arange(slots), length + jnp.arange(b)])
-    valid = jnp.concatenate([jnp.arange(slots) < length, jnp.ones(b, bool)])
-    mask = jnp.broadcast_to(valid[None, :], (b, slots + b))
-    if cfg.layer_types[layer] == SLIDING_ATTENTION:  # causal, and a window that includes the query itself
-        q_pos = (length + jnp.arange(b))[:, None]
-        mask = mask & (key_pos[None, :] <= q_pos) & (key_pos[None, :] > q_pos - cfg.sliding_window)
-    return mask
+    i = jnp.arange(b)
+    if cfg.layer_types[layer] != SLIDING_ATTENTION:
+        return jnp.ones((b, b), bool), jnp.zeros(b, jnp.int32)
+    window = cfg.sliding_window
+    block = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return block, (length + i - window + 1).astype(jnp.int32)
 
 
 def propose(params: dict, cfg: DraftConfig, state: DraftState, target_params: dict,
-            root: jax.Array) -> tuple[jax.Array, jax.Array]:
+            root: jax.Array, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
     """Draft the block [root, MASK x (B-1)] at positions length..: hidden [B, H] (after the final norm) and
-    logits [B, V] through the target's lm_head; row d predicts the token d places after the root."""
+    logits [B, V] through the target's lm_head; row d predicts the token d places after the root. `impl` picks
+    the attention kernel (dflash_jax.kernels)."""
     b, hd = cfg.block_size, cfg.head_dim
     tokens = jnp.full((b,), cfg.mask_token_id, jnp.int32).at[0].set(root)
     x = embed_tokens(target_params, tokens)
@@ -139,9 +142,8 @@ def propose(params: dict, cfg: DraftConfig, state: DraftState, target_params: di
         q = linear(u, p["wq"]).reshape(b, cfg.num_heads, hd)
         q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, hd, cfg.rope_theta)
         k, v = _kv(p, cfg, u, pos)
-        keys = jnp.concatenate([state.k[layer].astype(jnp.float32), k])
-        values = jnp.concatenate([state.v[layer].astype(jnp.float32), v])
-        o = ref.attention(q, keys, values, _mask(cfg, layer, state.slots, state.length))
+        blk_mask, prefix_lo = _visibility(cfg, layer, state.length)
+        o = kernels.tree_attention(q, state.k[layer], state.v[layer], state.length, k, v, blk_mask, prefix_lo, impl)
         x = x + linear(o.reshape(b, -1), p["wo"])
         x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"])
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)

@@ -19,9 +19,9 @@ import numpy as np
 from dflash_jax.config import FULL_ATTENTION, TargetConfig
 from dflash_jax.engine.state import TargetState
 from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
+from dflash_jax import kernels
 from dflash_jax.kernels import linear
 from dflash_jax.quant import QTensor, dequantize, take_rows
-from pallas_kernels import reference as ref
 
 # GGUF tensor name inside a block -> parameter name.
 LAYER_PARAMS = {
@@ -94,7 +94,7 @@ def _conv_index(block: Block, kernel: int) -> jax.Array:
 # Layers
 
 def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               length: jax.Array, block: Block) -> tuple[jax.Array, jax.Array, jax.Array]:
+               length: jax.Array, block: Block, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated full attention over the committed cache plus the block's ancestors; writes the block's KV."""
     n, hd = u.shape[0], cfg.head_dim
     qg = linear(u, p["wq"]).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
@@ -104,13 +104,10 @@ def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_cache: jax.Array, v_c
     pos = length + block.depth
     q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
     k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
+    o = kernels.tree_attention(q, k_cache, v_cache, length, k, v, block.anc, jnp.zeros(n, jnp.int32), impl)
+    o = o.reshape(n, cfg.num_heads * hd)
     k_cache = write_rows(k_cache, k, length, axis=0)
     v_cache = write_rows(v_cache, v, length, axis=0)
-    slot = jnp.arange(k_cache.shape[0])
-    rel = slot - length  # block index of each slot
-    in_block = (rel >= 0) & (rel < n)
-    mask = (slot < length)[None, :] | (in_block[None, :] & block.anc[:, jnp.clip(rel, 0, n - 1)])
-    o = ref.attention(q, k_cache, v_cache, mask).reshape(n, cfg.num_heads * hd)
     return linear(o * jax.nn.sigmoid(gate), p["wo"]), k_cache, v_cache
 
 
@@ -166,7 +163,7 @@ def _logits(params: dict, cfg: TargetConfig, x: jax.Array) -> jax.Array:
 
 
 def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
-             taps: tuple[int, ...], prefill_valid: jax.Array | None):
+             taps: tuple[int, ...], prefill_valid: jax.Array | None, impl: str):
     """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
     verify (tree) leaves it and returns what the commit needs."""
     x = embed_tokens(params, tokens)
@@ -177,17 +174,18 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
     for i, p in enumerate(params["layers"]):
         u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == FULL_ATTENTION:
-            out, k_cache[ia], v_cache[ia] = _attention(p, cfg, u, k_cache[ia], v_cache[ia], state.length, block)
+            out, k_cache[ia], v_cache[ia] = _attention(p, cfg, u, k_cache[ia], v_cache[ia], state.length, block,
+                                                       impl)
             ia += 1
         else:
             q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], conv_index)
             if prefill_valid is None:
-                o, v_new, gamma = ref.gdn_block(q, k, v, g, beta, ssm[ig], block.anc)
+                o, v_new, gamma = kernels.gdn_tree(q, k, v, g, beta, ssm[ig], block.anc, impl)
                 carries.append(GDNCarry(k, v_new, gamma, conv_in))
             else:
                 real = (jnp.arange(tokens.shape[0]) < prefill_valid)[:, None]
-                o, ssm[ig] = ref.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
-                                             jnp.where(real, beta, 0.0), ssm[ig])
+                o, ssm[ig] = kernels.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
+                                                 jnp.where(real, beta, 0.0), ssm[ig], impl)
                 conv[ig] = conv_in[conv_index[prefill_valid - 1, 1:]]
             out = _gdn_output(p, cfg, o, z)
             ig += 1
@@ -221,12 +219,14 @@ def _check_fits(state: TargetState, tokens: jax.Array) -> None:
 
 
 def prefill_chunk(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
-                  taps: tuple[int, ...] = (), all_logits: bool = False) -> tuple[jax.Array, jax.Array, TargetState]:
-    """Commit the first n_valid of P prompt tokens (the rest is padding).
+                  taps: tuple[int, ...] = (), all_logits: bool = False, impl: str = "reference"
+                  ) -> tuple[jax.Array, jax.Array, TargetState]:
+    """Commit the first n_valid of P prompt tokens (the rest is padding); `impl` picks the kernels
+    (dflash_jax.kernels).
 
     Returns the logits of the last real token [V] (all P rows [P, V] with all_logits) and taps [P, n_taps, H].
     """
-    x, tapped, state, _ = _forward(params, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid)
+    x, tapped, state, _ = _forward(params, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, impl)
     state = dataclasses.replace(state, length=state.length + n_valid)
     if not all_logits:
         x = jax.lax.dynamic_index_in_dim(x, n_valid - 1, keepdims=False)
@@ -234,14 +234,14 @@ def prefill_chunk(params: dict, cfg: TargetConfig, state: TargetState, tokens: j
 
 
 def verify(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, parents: jax.Array,
-           taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState, Verified]:
+           taps: tuple[int, ...] = (), impl: str = "reference") -> tuple[jax.Array, jax.Array, TargetState, Verified]:
     """Run a tree of N tokens on top of the committed state: logits [N, V], taps [N, n_taps, H].
 
     Only the KV cache changes (the block's keys at slots length..length+N-1, not yet committed); GDN state is read.
     """
     _check_fits(state, tokens)
     block = tree_block(parents)
-    x, tapped, state, verified = _forward(params, cfg, state, tokens, block, taps, None)
+    x, tapped, state, verified = _forward(params, cfg, state, tokens, block, taps, None, impl)
     return _logits(params, cfg, x), tapped, state, verified
 
 
@@ -251,7 +251,7 @@ def path_nodes(block: Block, leaf: jax.Array, width: int) -> jax.Array:
     return jnp.argmax(at_depth, axis=1)
 
 
-def commit(state: TargetState, verified: Verified, leaf: jax.Array) -> TargetState:
+def commit(state: TargetState, verified: Verified, leaf: jax.Array, impl: str = "reference") -> TargetState:
     """Accept the root-to-leaf path ending at node `leaf`: compact its KV, take its GDN state, advance length."""
     block = verified.block
     n = block.depth.shape[0]
@@ -262,7 +262,9 @@ def commit(state: TargetState, verified: Verified, leaf: jax.Array) -> TargetSta
         return write_rows(cache, jnp.take(cache, src, axis=1), state.length, axis=1)
 
     conv_rows = verified.conv_index[leaf, 1:]
-    ssm = [ref.gdn_path_state(c.k, c.v_new, c.gamma, s0, path, leaf) for c, s0 in zip(verified.carries, state.ssm)]
-    conv = [c.conv_in[conv_rows] for c in verified.carries]
-    return dataclasses.replace(state, k=compact(state.k), v=compact(state.v), ssm=jnp.stack(ssm),
+    carries = verified.carries
+    ssm = kernels.gdn_commit(state.ssm, [c.k for c in carries], [c.v_new for c in carries],
+                             [c.gamma for c in carries], path, leaf, impl)
+    conv = [c.conv_in[conv_rows] for c in carries]
+    return dataclasses.replace(state, k=compact(state.k), v=compact(state.v), ssm=ssm,
                                conv=jnp.stack(conv), length=state.length + block.depth[leaf] + 1)

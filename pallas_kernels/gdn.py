@@ -1,0 +1,197 @@
+"""The gated delta rule over blocks of tokens (DESIGN.md "Gated DeltaNet over a tree"), as Pallas GPU kernels.
+
+`gdn_blocks` runs C blocks of n tokens one after another, each block in the WY form under the ancestor-or-self
+mask `anc` [n, n]: a verified tree is one block with the tree's mask (state read, nothing per node written), a
+prefill is T/64 blocks with the causal mask and the state carried from block to block in registers. One program
+owns one head and `block_v` columns of the state: it reads its S0 columns once, builds A = beta K K^T * decay,
+T = (I + A)^-1 (by repeated squaring: matmuls only), U, W, V' = U - W S0 and O, and writes O (and V' and gamma,
+which the commit needs; the final state only when asked). `gdn_commit` applies every GDN layer's path commit in one
+launch, updating the stacked state in place: S_a = exp(gamma_a) S0 + sum over the path of
+exp(gamma_a - gamma_j) k_j v'_j^T.
+
+The references are `reference.gdn_block`, `reference.gdn_chunked` and `reference.gdn_path_state`. Operands and the
+state are float32; the products run in TF32 on the GPU by default (`precision="tf32"`, JAX's own default for float32
+matmuls on a GPU: 4.7e-4 relative error against float32 on a 27B layer), or as three TF32 passes ("tf32x3") or on
+the FMA units ("f32"), which measured 2-3x slower (scripts/gdn_probe.py). In interpret mode (CPU) every choice is exact
+float32. Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+PRECISIONS = {"tf32": jax.lax.Precision.DEFAULT, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+              "f32": jax.lax.Precision.HIGHEST}
+
+
+def _dot(a: jax.Array, b: jax.Array, precision, ta: bool = False, tb: bool = False) -> jax.Array:
+    dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _precision(name: str, interpret: bool):
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
+    return jax.lax.Precision.HIGHEST if interpret else PRECISIONS[name]  # the CPU has no TF32
+
+
+def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
+    """x[i] along axis by a masked sum (Triton tensors cannot be indexed)."""
+    at = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) == i
+    return jnp.sum(jnp.where(at, x, 0.0), axis=axis)
+
+
+def _unit_lower_inverse(a: jax.Array, precision) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [n, n] (n a power of two): prod_i (I + (-a)^(2^i))."""
+    n = a.shape[0]
+    eye = (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
+    power = -a
+    inv = eye.astype(jnp.float32) + power
+    for _ in range(max(0, (n - 1).bit_length() - 1)):
+        power = _dot(power, power, precision)
+        inv = inv + _dot(inv, power, precision)
+    return inv
+
+
+def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_ref, k_ref, v_ref, g_ref, b_ref, anc_ref,
+                   s0_ref, *out_refs):
+    o_ref, vn_ref, gm_ref = out_refs[:3]
+    h, t = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(t * block_v, block_v)
+    anc = anc_ref[...] != 0
+    incl = anc.astype(jnp.float32)
+    eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    last_path = _pick(incl, n - 1)  # the last token's ancestors and itself: the path the carried state follows
+
+    def block(c, state):  # state [dk, block_v]
+        tok = pl.ds(c * n, n)
+        q, k = q_ref[tok, h, :], k_ref[tok, h, :]
+        v, g, beta = v_ref[tok, h, cols], g_ref[tok, h], b_ref[tok, h]
+        gamma = jnp.sum(incl * g[None, :], axis=1)  # log-decay summed along each token's path
+        diff = gamma[:, None] - gamma[None, :]
+        decay = jnp.where(anc, jnp.exp(jnp.where(anc, diff, 0.0)), 0.0)
+        dot = functools.partial(_dot, precision=precision)
+        a = beta[:, None] * dot(k, k, tb=True) * jnp.where(eye, 0.0, decay)
+        tinv = _unit_lower_inverse(a, precision)
+        eg = jnp.exp(gamma)
+        u = dot(tinv, beta[:, None] * v)
+        w = dot(tinv, (beta * eg)[:, None] * k)
+        v_new = u - dot(w, state)
+        o = dot(eg[:, None] * q, state) + dot(dot(q, k, tb=True) * decay, v_new)
+        o_ref[tok, h, cols] = o
+        vn_ref[tok, h, cols] = v_new
+
+        @pl.when(t == 0)
+        def _():
+            gm_ref[tok, h] = gamma
+
+        g_last = _pick(gamma, n - 1)
+        wts = jnp.where(last_path > 0, jnp.exp(jnp.where(last_path > 0, g_last - gamma, 0.0)), 0.0)
+        return jnp.exp(g_last) * state + dot(wts[:, None] * k, v_new, ta=True)
+
+    state = s0_ref[h, :, cols]
+    if chunks == 1:
+        state = block(0, state)
+    else:
+        state = jax.lax.fori_loop(0, chunks, block, state)
+    if final:
+        out_refs[3][h, :, cols] = state
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "num_warps", "num_stages", "precision",
+                                             "interpret"))
+def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
+               anc: jax.Array, *, block_n: int, final: bool, block_v: int = 128, num_warps: int = 8,
+               num_stages: int = 1, precision: str = "tf32", interpret: bool = False):
+    """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
+
+    Returns (o [T, H, dv], v_new [T, H, dv], gamma [T, H]) and, with `final`, the state after the last token of
+    the last block along its path [H, dk, dv]. block_n must be a power of two >= 16 (pad with tokens whose
+    k, g, beta are 0 and which are nobody's ancestor). Default tiles: the fastest of scripts/gdn_probe.py on an H100.
+    """
+    t_len, h, dk = q.shape
+    dv = v.shape[-1]
+    if t_len % block_n or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{t_len} tokens do not split into blocks of a power of two >= 16 (block_n={block_n})")
+    block_v = min(block_v, dv)
+    if dv % block_v or dk % 16:
+        raise ValueError(f"value dim {dv} must be a multiple of block_v={block_v}, key dim {dk} of 16")
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32), jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((t_len, h), jnp.float32)]
+    if final:
+        out_shape.append(jax.ShapeDtypeStruct((h, dk, dv), jnp.float32))
+    return pl.pallas_call(
+        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, final,
+                          _precision(precision, interpret)),
+        out_shape=tuple(out_shape),
+        grid=(h, dv // block_v),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gdn_blocks",
+    )(f32(q), f32(k), f32(v), f32(g), f32(beta), anc.astype(jnp.int32), f32(s0))
+
+
+def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
+             anc: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Verify: the kernel counterpart of reference.gdn_block for N <= 64 tokens (padded to a power of two)."""
+    n = q.shape[0]
+    n_pad = max(16, 1 << (n - 1).bit_length())
+    pad = lambda x: jnp.pad(x, [(0, n_pad - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    anc_pad = jnp.eye(n_pad, dtype=bool).at[:n, :n].set(anc)  # padding tokens: their own roots
+    o, v_new, gamma = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, anc_pad, block_n=n_pad, final=False,
+                                 interpret=interpret)
+    return o[:n], v_new[:n], gamma[:n]
+
+
+def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
+                chunk: int = 64, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Prefill: the kernel counterpart of reference.gdn_chunked; returns (o [T, H, dv], final state)."""
+    n = q.shape[0]
+    pad_n = (-n) % chunk
+    pad = lambda x: jnp.pad(x, [(0, pad_n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    o, _, _, state = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, causal, block_n=chunk, final=True,
+                                interpret=interpret)
+    return o[:n], state
+
+
+def _commit_kernel(block_v: int, precision, leaf_ref, path_ref, k_ref, vn_ref, gm_ref, s0_ref, s_ref):
+    layer, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(t * block_v, block_v)
+    on_path = path_ref[...] != 0  # [n]
+    gamma = gm_ref[layer, :, h]
+    g_leaf = _pick(gamma, leaf_ref[0])
+    wts = jnp.where(on_path, jnp.exp(jnp.where(on_path, g_leaf - gamma, 0.0)), 0.0)
+    k = k_ref[layer, :, h, :]
+    s_ref[layer, h, :, cols] = (jnp.exp(g_leaf) * s0_ref[layer, h, :, cols]
+                                + _dot(wts[:, None] * k, vn_ref[layer, :, h, cols], precision, ta=True))
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "precision", "interpret"))
+def gdn_commit(ssm: jax.Array, k: jax.Array, v_new: jax.Array, gamma: jax.Array, path: jax.Array,
+               leaf: jax.Array, *, block_v: int = 32, num_warps: int = 8, precision: str = "tf32",
+               interpret: bool = False) -> jax.Array:
+    """Every layer's state after the accepted path: ssm [L, H, dk, dv] (updated in place where its buffer is not
+    needed afterwards, e.g. inside the jitted step), k [L, N, H, dk],
+    v_new [L, N, H, dv], gamma [L, N, H] from verify, path [N] bool, leaf [] -> [L, H, dk, dv]."""
+    layers, h, dk, dv = ssm.shape
+    n = k.shape[1]
+    block_v = min(block_v, dv)
+    n_pad = max(16, 1 << (n - 1).bit_length())
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, n_pad - n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    path = jnp.pad(path, (0, n_pad - n)).astype(jnp.int32)
+    return pl.pallas_call(
+        functools.partial(_commit_kernel, block_v, _precision(precision, interpret)),
+        out_shape=jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
+        grid=(layers, h, dv // block_v),
+        input_output_aliases={5: 0},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_commit",
+    )(jnp.reshape(leaf, (1,)).astype(jnp.int32), path, pad(k), pad(v_new), pad(gamma), ssm)

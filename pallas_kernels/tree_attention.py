@@ -1,0 +1,137 @@
+"""Attention of a block of N tokens (a verified tree, a prefill chunk, a draft block) over a committed KV prefix
+plus the block's own keys, flash-decoding style: q [N, Hq, d] -> [N, Hq, d].
+
+Query i sees prefix slots s with prefix_lo[i] <= s < length (every committed slot for the target; a sliding window
+for the drafter's sliding layers) and block key j where blk_mask[i, j] (ancestor-or-self for a tree, causal for a
+chain, all for the drafter's full layers). The reference is `reference.tree_attention`.
+
+GQA is folded into rows: the queries of the Hq / Hkv heads that share a KV head, for all N tokens, are the rows of one
+matrix (row = token * group + head), so a tree of 23 tokens x 6 heads is 138 rows against one stream of keys. The
+grid is (row tiles, KV heads, splits + 1): program `split < splits` streams one 1/splits share of the prefix
+(split over the committed length, which is dynamic, so every split gets work at any context), the last program
+attends to the block's keys under the mask. Each writes its softmax partial (max, sum, unnormalised output); a jnp
+epilogue merges them by log-sum-exp. Keys and values are read as stored (float32 or bf16) and multiplied in bf16
+with float32 accumulation. Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+NEG = -1e30  # finite "minus infinity": an all-masked row keeps max NEG, sum 0, and no NaN
+
+
+def default_splits(slots: int) -> int:
+    """Prefix splits for a cache of `slots`: about one per 1024 slots, at most 32 (partials stay small beside the
+    keys they summarise; at 32K context that is 33 x 4 KV heads x 5 row tiles = 660 programs)."""
+    return max(1, min(32, -(-slots // 1024)))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _kernel(splits: int, br: int, block_k: int, len_ref, q_ref, lo_ref, mask_ref, kc_ref, vc_ref, kb_ref, vb_ref,
+            o_ref, m_ref, l_ref):
+    r_tile, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(r_tile * br, br)
+    q = q_ref[h, rows, :]  # [br, d] bf16, scaled
+    d = q.shape[-1]
+
+    def update(carry, k, v, visible):
+        m, l, acc = carry
+        s = jax.lax.dot_general(q, k.astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        s = jnp.where(visible, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jax.lax.dot_general(p.astype(jnp.bfloat16), v.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    init = (jnp.full((br,), NEG, jnp.float32), jnp.zeros((br,), jnp.float32), jnp.zeros((br, d), jnp.float32))
+
+    def write(carry):
+        m, l, acc = carry
+        o_ref[h, split, rows, :] = acc
+        m_ref[h, split, rows] = m
+        l_ref[h, split, rows] = l
+
+    @pl.when(split < splits)
+    def _prefix():
+        length = len_ref[0]
+        slots = kc_ref.shape[0]
+        chunk = pl.cdiv(pl.cdiv(length, splits), block_k) * block_k
+        start = split * chunk
+        end = jnp.minimum(start + chunk, length)
+        lo = lo_ref[rows]
+
+        def body(b, carry):
+            want = start + b * block_k
+            # the last block of a cache whose size is not a multiple of block_k is read ending at the cache's end
+            # (no read past it); the slots before `want` it re-reads are masked off
+            s0 = jnp.minimum(want, slots - block_k)
+            slot = s0 + jnp.arange(block_k)
+            ok = (slot >= want) & (slot < end)
+            k = kc_ref[pl.ds(s0, block_k), h, :]
+            v = vc_ref[pl.ds(s0, block_k), h, :]
+            visible = ok[None, :] & (slot[None, :] >= lo[:, None])
+            return update(carry, k, v, visible)
+
+        write(jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), block_k), body, init))
+
+    @pl.when(split == splits)
+    def _block():
+        write(update(init, kb_ref[h], vb_ref[h], mask_ref[rows, :] != 0))
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "block_rows", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
+                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, *, splits: int | None = None,
+                   block_rows: int = 32, block_k: int = 64, num_warps: int = 4, num_stages: int = 2,
+                   interpret: bool = False) -> jax.Array:
+    """Attention of q [N, Hq, d] over k/v_cache [S, Hkv, d] slots prefix_lo[i]..length-1 and the block's own
+    k/v_blk [N, Hkv, d] where blk_mask [N, N]; float32 [N, Hq, d]. Every query must see at least one key."""
+    n, hq, d = q.shape
+    s, hkv, _ = k_cache.shape
+    if hq % hkv or k_blk.shape != (n, hkv, d) or v_cache.shape != k_cache.shape or v_blk.shape != k_blk.shape:
+        raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, "
+                         f"block {k_blk.shape} {v_blk.shape}")
+    if d % 16 or block_rows % 16 or block_k % 16:
+        raise ValueError(f"head_dim {d}, block_rows {block_rows} and block_k {block_k} must be multiples of 16")
+    group = hq // hkv
+    splits = splits or default_splits(s)
+    if s < block_k:  # a cache smaller than one key block (tests, tiny contexts): pad it, it is small
+        k_cache, v_cache = (jnp.pad(c, ((0, block_k - s), (0, 0), (0, 0))) for c in (k_cache, v_cache))
+    rows = n * group
+    r_pad = pl.cdiv(rows, block_rows) * block_rows
+    n_pad = max(16, _pow2(n))
+    # row = token * group + head within the group, per KV head
+    qf = (q.astype(jnp.float32) * d ** -0.5).reshape(n, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows, d)
+    qf = jnp.pad(qf, ((0, 0), (0, r_pad - rows), (0, 0))).astype(jnp.bfloat16)
+    lo = jnp.pad(jnp.repeat(prefix_lo.astype(jnp.int32), group), (0, r_pad - rows))
+    mask = jnp.pad(jnp.repeat(blk_mask, group, axis=0), ((0, r_pad - rows), (0, n_pad - n))).astype(jnp.int32)
+    kb, vb = (jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, n_pad - n), (0, 0))) for x in (k_blk, v_blk))
+    parts = splits + 1
+    o, m, l = pl.pallas_call(
+        functools.partial(_kernel, splits, block_rows, block_k),
+        out_shape=(jax.ShapeDtypeStruct((hkv, parts, r_pad, d), jnp.float32),
+                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32)),
+        grid=(r_pad // block_rows, hkv, parts),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(jnp.reshape(length, (1,)).astype(jnp.int32), qf, lo, mask, k_cache, v_cache, kb, vb)
+    top = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp(m - top)  # [hkv, parts, r_pad]; 0 for parts that saw no key
+    total = jnp.sum(w * l, axis=1)
+    out = jnp.sum(w[..., None] * o, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out[:, :rows].reshape(hkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, hq, d)

@@ -1,0 +1,106 @@
+"""The tree-attention kernel (interpret mode on CPU, compiled with -m gpu) against reference.tree_attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference as ref
+from pallas_kernels.tree_attention import default_splits, tree_attention
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def random_anc(rng, n):
+    """Ancestor-or-self mask of a random tree in insertion order (several roots allowed)."""
+    anc = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        p = int(rng.integers(-1, i))
+        if p >= 0:
+            anc[i] |= anc[p]
+    return anc
+
+
+def inputs(seed, n, hq, hkv, d, slots, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (n, hq, d))
+    kc, vc = (jax.random.normal(kk, (slots, hkv, d)).astype(dtype) for kk in ks[1:3])
+    kb, vb = (jax.random.normal(kk, (n, hkv, d)) for kk in ks[3:5])
+    return q, kc, vc, kb, vb
+
+
+def sliding(n, length, window):
+    i = np.arange(n)
+    blk = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return blk, (length + i - window + 1).astype(np.int32)
+
+
+# (N, Hq, Hkv, d, slots, length, splits, mask): N = 1 and not a power of two; contexts of 0, 1 and odd length; a
+# cache smaller than a key block, and one not a multiple of it; more splits than the context needs; a window
+CASES = [(1, 4, 2, 32, 40, 0, None, "tree"), (5, 6, 2, 32, 40, 1, None, "tree"), (23, 6, 1, 64, 300, 211, 4, "tree"),
+         (7, 4, 1, 16, 100, 77, 9, "tree"), (16, 8, 2, 32, 130, 97, 3, "causal"), (8, 4, 2, 16, 70, 45, 2, "sliding"),
+         (16, 4, 4, 16, 64, 64, 1, "full")]
+
+
+@pytest.mark.parametrize("n,hq,hkv,d,slots,length,splits,kind", CASES)
+def test_kernel_matches_reference(n, hq, hkv, d, slots, length, splits, kind):
+    """Unwritten partials would be NaN (interpret mode fills fresh outputs with NaN) and poison every row."""
+    rng = np.random.default_rng(n + slots)
+    q, kc, vc, kb, vb = inputs(n * slots, n, hq, hkv, d, slots)
+    lo = np.zeros(n, np.int32)
+    if kind == "tree":
+        blk = random_anc(rng, n)
+    elif kind == "causal":
+        blk = np.tril(np.ones((n, n), bool))
+    elif kind == "sliding":
+        blk, lo = sliding(n, length, window=5)
+    else:
+        blk = np.ones((n, n), bool)
+    args = (q, kc, vc, jnp.int32(length), kb, vb, jnp.asarray(blk), jnp.asarray(lo))
+    got = tree_attention(*args, splits=splits, interpret=not ON_GPU)
+    assert got.shape == q.shape and bool(jnp.all(jnp.isfinite(got)))
+    assert rel(got, ref.tree_attention(*args)) < 1e-2  # q, k, v and the probabilities in bf16
+
+
+def test_bf16_cache_and_slots_past_length_are_ignored():
+    """Slots at or past `length` hold garbage (here: huge values) that must not leak in; the cache may be bf16."""
+    n, slots, length = 5, 96, 50
+    q, kc, vc, kb, vb = inputs(7, n, 4, 2, 32, slots, jnp.bfloat16)
+    kc, vc = (c.at[length:].set(1e4) for c in (kc, vc))
+    blk = jnp.asarray(random_anc(np.random.default_rng(0), n))
+    args = (q, kc, vc, jnp.int32(length), kb, vb, blk, jnp.zeros(n, jnp.int32))
+    got = tree_attention(*args, splits=3, interpret=not ON_GPU)
+    assert rel(got, ref.tree_attention(*args)) < 1e-2
+
+
+def test_bad_shapes_raise():
+    q, kc, vc, kb, vb = inputs(0, 4, 6, 4, 32, 64)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        tree_attention(q, kc, vc, jnp.int32(3), kb, vb, jnp.ones((4, 4), bool), jnp.zeros(4, jnp.int32))
+
+
+def test_default_splits():
+    assert [default_splits(s) for s in (40, 1024, 1025, 4096 + 24, 32768 + 24, 262144)] == [1, 1, 2, 5, 32, 32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("who,n,hq,hkv,d,context,kind", [
+    ("target verify", 23, 24, 4, 256, 4096, "tree"), ("target verify", 23, 24, 4, 256, 32768, "tree"),
+    ("target prefill", 64, 24, 4, 256, 3000, "causal"), ("drafter full", 16, 32, 8, 128, 4096, "full"),
+    ("drafter sliding", 16, 32, 8, 128, 4096, "sliding")])
+def test_real_shapes_on_gpu(who, n, hq, hkv, d, context, kind):
+    rng = np.random.default_rng(context + n)
+    slots = context + 64
+    q, kc, vc, kb, vb = inputs(context, n, hq, hkv, d, slots, jnp.bfloat16)
+    lo = np.zeros(n, np.int32)
+    blk = {"tree": lambda: random_anc(rng, n), "causal": lambda: np.tril(np.ones((n, n), bool)),
+           "full": lambda: np.ones((n, n), bool)}.get(kind, lambda: None)()
+    if kind == "sliding":
+        blk, lo = sliding(n, context - 5, window=2048)
+    args = (q, kc, vc, jnp.int32(context - 5), kb, vb, jnp.asarray(blk), jnp.asarray(lo))
+    assert rel(tree_attention(*args), ref.tree_attention(*args)) < 1e-2, who
