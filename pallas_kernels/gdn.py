@@ -25,6 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import reference as ref
+from pallas_kernels.tiles import dot_tile
+
 PRECISIONS = {"tf32": jax.lax.Precision.DEFAULT, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
               "f32": jax.lax.Precision.HIGHEST}
 
@@ -46,18 +49,6 @@ def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
     return jnp.sum(jnp.where(at, x, 0.0), axis=axis)
 
 
-def _unit_lower_inverse(a: jax.Array, precision) -> jax.Array:
-    """(I + a)^-1 for strictly lower-triangular a [n, n] (n a power of two): prod_i (I + (-a)^(2^i))."""
-    n = a.shape[0]
-    eye = (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
-    power = -a
-    inv = eye.astype(jnp.float32) + power
-    for _ in range(max(0, (n - 1).bit_length() - 1)):
-        power = _dot(power, power, precision)
-        inv = inv + _dot(inv, power, precision)
-    return inv
-
-
 def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_ref, k_ref, v_ref, g_ref, b_ref, anc_ref,
                    s0_ref, *out_refs):
     o_ref, vn_ref, gm_ref = out_refs[:3]
@@ -77,7 +68,7 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
         decay = jnp.where(anc, jnp.exp(jnp.where(anc, diff, 0.0)), 0.0)
         dot = functools.partial(_dot, precision=precision)
         a = beta[:, None] * dot(k, k, tb=True) * jnp.where(eye, 0.0, decay)
-        tinv = _unit_lower_inverse(a, precision)
+        tinv = ref.unit_lower_inverse(a, dot)
         eg = jnp.exp(gamma)
         u = dot(tinv, beta[:, None] * v)
         w = dot(tinv, (beta * eg)[:, None] * k)
@@ -90,6 +81,8 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
         def _():
             gm_ref[tok, h] = gamma
 
+        if chunks == 1 and not final:  # a verified tree: the state after it is not needed
+            return state
         g_last = _pick(gamma, n - 1)
         wts = jnp.where(last_path > 0, jnp.exp(jnp.where(last_path > 0, g_last - gamma, 0.0)), 0.0)
         return jnp.exp(g_last) * state + dot(wts[:, None] * k, v_new, ta=True)
@@ -141,7 +134,7 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
              anc: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Verify: the kernel counterpart of reference.gdn_block for N <= 64 tokens (padded to a power of two)."""
     n = q.shape[0]
-    n_pad = max(16, 1 << (n - 1).bit_length())
+    n_pad = dot_tile(n)
     pad = lambda x: jnp.pad(x, [(0, n_pad - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     anc_pad = jnp.eye(n_pad, dtype=bool).at[:n, :n].set(anc)  # padding tokens: their own roots
     o, v_new, gamma = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, anc_pad, block_n=n_pad, final=False,
@@ -183,7 +176,7 @@ def gdn_commit(ssm: jax.Array, k: jax.Array, v_new: jax.Array, gamma: jax.Array,
     layers, h, dk, dv = ssm.shape
     n = k.shape[1]
     block_v = min(block_v, dv)
-    n_pad = max(16, 1 << (n - 1).bit_length())
+    n_pad = dot_tile(n)
     pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, n_pad - n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     path = jnp.pad(path, (0, n_pad - n)).astype(jnp.int32)
     return pl.pallas_call(

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dflash_jax.quant import FORMATS, QK_K, QTensor, k_scale_min
+from pallas_kernels.tiles import dot_tile
 
 QUANTIZED_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 PACKED_FORMATS = QUANTIZED_FORMATS + ("BF16",)  # dense F32/F16/BF16 weights all pack to BF16
@@ -143,10 +144,6 @@ def qmatmul_reference(x: jax.Array, pw: PackedWeight) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel
 
-def _pad_rows(m: int) -> int:
-    return max(16, 1 << (m - 1).bit_length())
-
-
 def default_tiles(m_pad: int) -> tuple[int, int]:
     """(rows of W per program, columns per K step): the best of a sweep on an H100 (scripts/bench_kernels.py
     --sweep, 17408 x 5120 Q4_K and 5120 x 17408 Q6_K): narrow tiles for decode, wider ones for verify blocks;
@@ -207,7 +204,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         raise ValueError(f"x has {k} columns, the weight {kw}")
     if m > M_MAX:
         raise ValueError(f"qmatmul takes at most {M_MAX} rows, got {m}")
-    m_pad = _pad_rows(m)
+    m_pad = dot_tile(m)
     block_n = block_n or default_tiles(m_pad)[0]
     columns = columns or default_tiles(m_pad)[1]
     xb = jnp.zeros((m_pad, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))

@@ -15,17 +15,18 @@ def _f32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32)
 
 
-def unit_lower_inverse(a: jax.Array) -> jax.Array:
-    """(I + a)^-1 for strictly lower-triangular a [..., N, N], by matmuls only.
+def unit_lower_inverse(a: jax.Array, dot=jnp.matmul) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [..., N, N], by matmuls only (`dot`: the product to use; the
+    Pallas kernel passes its own, with the GPU's precision).
 
     a is nilpotent, so (I + a)^-1 = sum_k (-a)^k = prod_i (I + (-a)^(2^i)) over ceil(log2 N) factors.
     """
     n = a.shape[-1]
-    eye = jnp.eye(n, dtype=a.dtype)
-    power, inv = -a, eye + (-a)
+    eye = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    power, inv = -a, eye.astype(a.dtype) + (-a)
     for _ in range(max(0, (n - 1).bit_length() - 1)):
-        power = power @ power
-        inv = inv + inv @ power
+        power = dot(power, power)
+        inv = inv + dot(inv, power)
     return inv
 
 

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.tiles import dot_tile
+
 NEG = -1e30  # finite "minus infinity": an all-masked row keeps max NEG, sum 0, and no NaN
 
 
@@ -30,10 +32,6 @@ def default_splits(slots: int) -> int:
     """Prefix splits for a cache of `slots`: about one per 1024 slots, at most 32 (partials stay small beside the
     keys they summarise; at 32K context that is 33 x 4 KV heads x 5 row tiles = 660 programs)."""
     return max(1, min(32, -(-slots // 1024)))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kernel(splits: int, br: int, block_k: int, len_ref, q_ref, lo_ref, mask_ref, kc_ref, vc_ref, kb_ref, vb_ref,
@@ -112,7 +110,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
         k_cache, v_cache = (jnp.pad(c, ((0, block_k - s), (0, 0), (0, 0))) for c in (k_cache, v_cache))
     rows = n * group
     r_pad = pl.cdiv(rows, block_rows) * block_rows
-    n_pad = max(16, _pow2(n))
+    n_pad = dot_tile(n)
     # row = token * group + head within the group, per KV head
     qf = (q.astype(jnp.float32) * d ** -0.5).reshape(n, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows, d)
     qf = jnp.pad(qf, ((0, 0), (0, r_pad - rows), (0, 0))).astype(jnp.bfloat16)

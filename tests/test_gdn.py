@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.testing.trees import random_ancestors
 from pallas_kernels import gdn
 from pallas_kernels import reference as ref
 
@@ -31,13 +32,7 @@ def inputs(seed, n, h, dk, dv):
 
 
 def random_anc(seed, n):
-    rng = np.random.default_rng(seed)
-    anc = np.eye(n, dtype=bool)
-    for i in range(1, n):
-        p = int(rng.integers(-1, i))
-        if p >= 0:
-            anc[i] |= anc[p]
-    return jnp.asarray(anc)
+    return jnp.asarray(random_ancestors(np.random.default_rng(seed), n))
 
 
 @pytest.mark.parametrize("n", [1, 5, 23, 33])

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.testing.trees import random_ancestors
 from pallas_kernels import reference as ref
 from pallas_kernels.tree_attention import default_splits, tree_attention
 
@@ -14,16 +15,6 @@ ON_GPU = jax.default_backend() == "gpu"
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def random_anc(rng, n):
-    """Ancestor-or-self mask of a random tree in insertion order (several roots allowed)."""
-    anc = np.eye(n, dtype=bool)
-    for i in range(1, n):
-        p = int(rng.integers(-1, i))
-        if p >= 0:
-            anc[i] |= anc[p]
-    return anc
 
 
 def inputs(seed, n, hq, hkv, d, slots, dtype=jnp.float32):
@@ -54,7 +45,7 @@ def test_kernel_matches_reference(n, hq, hkv, d, slots, length, splits, kind):
     q, kc, vc, kb, vb = inputs(n * slots, n, hq, hkv, d, slots)
     lo = np.zeros(n, np.int32)
     if kind == "tree":
-        blk = random_anc(rng, n)
+        blk = random_ancestors(rng, n)
     elif kind == "causal":
         blk = np.tril(np.ones((n, n), bool))
     elif kind == "sliding":
@@ -72,7 +63,7 @@ def test_bf16_cache_and_slots_past_length_are_ignored():
     n, slots, length = 5, 96, 50
     q, kc, vc, kb, vb = inputs(7, n, 4, 2, 32, slots, jnp.bfloat16)
     kc, vc = (c.at[length:].set(1e4) for c in (kc, vc))
-    blk = jnp.asarray(random_anc(np.random.default_rng(0), n))
+    blk = jnp.asarray(random_ancestors(np.random.default_rng(0), n))
     args = (q, kc, vc, jnp.int32(length), kb, vb, blk, jnp.zeros(n, jnp.int32))
     got = tree_attention(*args, splits=3, interpret=not ON_GPU)
     assert rel(got, ref.tree_attention(*args)) < 1e-2
@@ -98,7 +89,7 @@ def test_real_shapes_on_gpu(who, n, hq, hkv, d, context, kind):
     slots = context + 64
     q, kc, vc, kb, vb = inputs(context, n, hq, hkv, d, slots, jnp.bfloat16)
     lo = np.zeros(n, np.int32)
-    blk = {"tree": lambda: random_anc(rng, n), "causal": lambda: np.tril(np.ones((n, n), bool)),
+    blk = {"tree": lambda: random_ancestors(rng, n), "causal": lambda: np.tril(np.ones((n, n), bool)),
            "full": lambda: np.ones((n, n), bool)}.get(kind, lambda: None)()
     if kind == "sliding":
         blk, lo = sliding(n, context - 5, window=2048)
