@@ -2,8 +2,8 @@
 
 Matrices: with `impl="pallas"` every Q4_K/Q5_K/Q6_K/Q8_0 matrix is repacked once at load into the qmatmul layout
 (pallas_kernels/qmatmul.py) and `linear` dispatches on that type; dense weights stay with XLA's product, which
-measured faster than the kernel's dense path (README, Kernels). Attention (pallas_kernels/tree_attention.py) and
-the gated delta rule (pallas_kernels/gdn.py) take `impl` as a static argument, which the models thread through
+measured faster than the kernel's dense path (README, Kernels). Attention (pallas_kernels/tree_attention.py), the
+tree conv (pallas_kernels/tree_conv.py) and the gated delta rule (pallas_kernels/gdn.py) take `impl` as a static argument, which the models thread through
 from the loaded target. On a CPU the Pallas kernels run in interpret mode (slow; for tests).
 """
 
@@ -20,6 +20,7 @@ from pallas_kernels import gdn
 from pallas_kernels import qmatmul as qm
 from pallas_kernels import reference as ref
 from pallas_kernels.tree_attention import tree_attention as _tree_attention_kernel
+from pallas_kernels.tree_conv import tree_conv as _tree_conv_kernel
 
 IMPLS = ("reference", "pallas")
 
@@ -81,6 +82,13 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     if resolve_impl(impl) == "reference":
         return ref.tree_attention(*args)
     return _tree_attention_kernel(*args, interpret=_interpret())
+
+
+def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array, impl: str) -> jax.Array:
+    """silu of the causal depthwise conv along each token's path (reference.tree_conv for the args)."""
+    if resolve_impl(impl) == "reference":
+        return ref.tree_conv(conv_in, index, weight)
+    return _tree_conv_kernel(conv_in, index, weight, interpret=_interpret())
 
 
 def gdn_tree(q, k, v, g, beta, s0, anc, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:

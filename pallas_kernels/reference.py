@@ -136,3 +136,10 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     keys = jnp.concatenate([_f32(k_cache), _f32(k_blk)])
     values = jnp.concatenate([_f32(v_cache), _f32(v_blk)])
     return attention(q, keys, values, jnp.concatenate([prefix, blk_mask], axis=1))
+
+
+def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array) -> jax.Array:
+    """The causal depthwise conv along each token's path, then SiLU: conv_in [R, C] (committed conv inputs, then
+    the block's), index [N, K] (the rows token n reads, oldest first), weight [C, K] -> [N, C] float32."""
+    windows = _f32(conv_in)[index]  # [N, K, C]
+    return jax.nn.silu(jnp.einsum("nkc,ck->nc", windows, _f32(weight)))

@@ -14,11 +14,15 @@ over the copy rate. Also the jnp reference under XLA.
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
 chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B Q4_K_M matrices a decode step reads (every matrix but
 the embedding table) over the copy rate. Also the jnp reference under XLA.
+
+tree_conv: the GDN layers' causal conv + SiLU (10240 channels) of a 23-node tree over the 48 layers, for channel
+tiles of 32..256 and 1 or 4 warps, against the jnp reference under XLA.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -32,6 +36,8 @@ from benchlib import copy_rate, environment, gdn_layer_inputs, median_seconds  #
 
 from dflash_jax.config import load_target_config  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
+from dflash_jax.models.target import Block  # noqa: E402
+from dflash_jax.models.target import _conv_index as conv_index  # noqa: E402
 from dflash_jax.quant import FORMATS, dequantize  # noqa: E402
 from dflash_jax.testing.gguf_writer import q4_k_m_rule  # noqa: E402
 from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
@@ -39,6 +45,7 @@ from pallas_kernels import gdn  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels.tree_attention import tree_attention  # noqa: E402
+from pallas_kernels.tree_conv import tree_conv  # noqa: E402
 
 CONFIG_27B = Path(__file__).resolve().parents[1] / "configs" / "qwen3.5-27b.json"
 
@@ -215,6 +222,31 @@ def bench_gdn(copy: float, n: int = 23) -> list[dict]:
     return rows
 
 
+def bench_tree_conv(copy: float, n: int = 23) -> list[dict]:
+    cfg = load_target_config(CONFIG_27B)
+    layers, c, kernel = len(cfg.linear_attention_layers), cfg.conv_dim, cfg.conv_kernel
+    anc = _random_tree(n)
+    index = conv_index(Block(anc=anc, depth=anc.sum(axis=1).astype(jnp.int32) - 1), kernel)
+    keys = jax.random.split(jax.random.key(5), 2 * layers)
+    xs = [jax.random.normal(keys[i], (kernel - 1 + n, c)) for i in range(layers)]
+    ws = [jax.random.normal(keys[layers + i], (c, kernel)) for i in range(layers)]
+    moved = layers * (xs[0].nbytes + ws[0].nbytes + n * c * 4)
+    want = ref.tree_conv(xs[0], index, ws[0])
+    rows = []
+    variants = [dict(block_c=b, num_warps=w) for b in (32, 64, 128, 256) for w in (1, 4)] + [None]
+    for opts in variants:
+        fn = ref.tree_conv if opts is None else functools.partial(tree_conv, **opts)
+        run = jax.jit(lambda xs, ws, fn=fn: [fn(x, index, w) for x, w in zip(xs, ws)])
+        err = float(jnp.max(jnp.abs(run(xs, ws)[0] - want)))
+        t = median_seconds(run, xs, ws)
+        name = "XLA reference conv" if opts is None else "tree_conv " + " ".join(f"{k}={v}" for k, v in opts.items())
+        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, floor_us=moved / copy * 1e6,
+                         floor_ratio=moved / copy / t, max_err=err))
+        print(f"  {name:42s} N={n} x {layers} layers {t*1e6:8.1f} us (bytes floor {moved / copy * 1e6:.1f} us) "
+              f"err {err:.1e}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="results JSON")
@@ -222,7 +254,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32], help="token counts for qmatmul")
     ap.add_argument("--only", nargs="+", help="matrices to run, as NAME:FMT (e.g. ffn_down:Q6_K)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
-                    choices=["qmatmul", "tree_attention", "gdn"], help="which kernels to time")
+                    choices=["qmatmul", "tree_attention", "gdn", "tree_conv"], help="which kernels to time")
     args = ap.parse_args()
     env = environment()
     copy = copy_rate()
@@ -234,6 +266,8 @@ def main() -> None:
         rows += bench_tree_attention(copy, args.sweep)
     if "gdn" in args.kernels:
         rows += bench_gdn(copy)
+    if "tree_conv" in args.kernels:
+        rows += bench_tree_conv(copy)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(env, copy_rate=copy, results=rows), indent=1))
     for r in rows:

@@ -122,13 +122,13 @@ class GDNCarry:
     conv_in: jax.Array  # [K-1+N, conv_dim]: committed conv state then the block's pre-conv inputs
 
 
-def _gdn_inputs(p: dict, cfg: TargetConfig, u: jax.Array, conv_state: jax.Array, conv_index: jax.Array):
+def _gdn_inputs(p: dict, cfg: TargetConfig, u: jax.Array, conv_state: jax.Array, conv_index: jax.Array,
+                impl: str):
     """Projections, causal conv along each token's path (rows `conv_index`), and the delta-rule inputs."""
     n, nk, nv = u.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv_in = jnp.concatenate([conv_state, linear(u, p["w_qkv"])], axis=0)  # [K-1+N, C]
-    windows = conv_in[conv_index]  # [N, K, C]
-    c = jax.nn.silu(jnp.einsum("nkc,ck->nc", windows, p["conv"]))
+    c = kernels.tree_conv(conv_in, conv_index, p["conv"], impl)
     q = c[:, :nk * dk].reshape(n, nk, dk)
     k = c[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
     v = c[:, 2 * nk * dk:].reshape(n, nv, dv)
@@ -178,7 +178,7 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
                                                        impl)
             ia += 1
         else:
-            q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], conv_index)
+            q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], conv_index, impl)
             if prefill_valid is None:
                 o, v_new, gamma = kernels.gdn_tree(q, k, v, g, beta, ssm[ig], block.anc, impl)
                 carries.append(GDNCarry(k, v_new, gamma, conv_in))
