@@ -296,6 +296,21 @@ def draft_config_from_hf(d: Mapping[str, Any], where: str = "config") -> DraftCo
     )
 
 
+def draft_config_to_hf(cfg: DraftConfig) -> dict[str, Any]:
+    """A z-lab DFlash config.json (`DFlashDraftModel`) for cfg; inverse of `draft_config_from_hf`."""
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "dtype": "bfloat16",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "layer_types": list(cfg.layer_types),
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+        "sliding_window": cfg.sliding_window, "use_sliding_window": cfg.sliding_window is not None,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
+        "attention_bias": False, "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+    }
+
+
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
     """A JSON object from a file, with a clear error for a missing or malformed file."""
     try:

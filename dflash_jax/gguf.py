@@ -196,6 +196,11 @@ class _Metadata:
         return [int(x) for x in v[:n]]
 
 
+def open_metadata(path: str) -> _Metadata:
+    """The metadata of a GGUF file of any architecture, with typed access (tensors are checked for truncation)."""
+    return _Metadata(_open_reader(path), path)
+
+
 def _layer_types(meta: _Metadata, n_layer: int) -> tuple[str, ...]:
     key = f"{ARCH}.attention.recurrent_layers"
     if meta.has(key):

@@ -31,16 +31,22 @@ class Score:
     tokens: int
 
 
-def read_ids(spec: str) -> np.ndarray:
-    """Token ids from a .npy file or a comma-separated list."""
+def read_ids(spec: str, flag: str = "--ids") -> np.ndarray:
+    """Token ids from a .npy file of integers or a non-empty comma-separated list (`flag` names it in errors)."""
     if spec.endswith(".npy"):
         if not os.path.exists(spec):
-            raise FileNotFoundError(f"{spec}: no such file")
-        return np.load(spec).reshape(-1)
+            raise FileNotFoundError(f"{flag} {spec}: no such file")
+        arr = np.load(spec)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{flag} {spec}: expected integer token ids, found {arr.dtype}")
+        return arr.reshape(-1)
     try:
-        return np.array([int(t) for t in spec.split(",") if t.strip()], dtype=np.int64)
+        ids = np.array([int(t) for t in spec.split(",") if t.strip()], dtype=np.int64)
     except ValueError:
-        raise ValueError(f"--ids {spec!r}: expected a .npy file or comma-separated integers") from None
+        raise ValueError(f"{flag} {spec!r}: expected a .npy file or comma-separated integers") from None
+    if not ids.size:
+        raise ValueError(f"{flag} is empty")
+    return ids
 
 
 def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> Score:
@@ -64,19 +70,16 @@ def main(argv: list[str]) -> int:
     from absl import app, flags, logging
 
     from dflash_jax.load import load_target
+    from dflash_jax.tokenizer import load_tokenizer
 
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if f.text is not None:
-        print("score: --text needs the GGUF tokenizer, which is not implemented yet; pass token ids with --ids",
-              file=sys.stderr)
-        return 2
-    if f.ids is None:
-        raise app.UsageError("pass the token ids with --ids IDS.npy (or a comma-separated list)")
+    if (f.ids is None) == (f.text is None):
+        raise app.UsageError("pass the tokens to score with --ids IDS.npy (or a comma-separated list) or --text")
     try:
-        ids = read_ids(f.ids)
+        ids = read_ids(f.ids) if f.ids is not None else np.asarray(load_tokenizer(f.target).encode(f.text))
         t0 = time.perf_counter()
         model = load_target(f.target)
         t1 = time.perf_counter()
@@ -101,7 +104,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("target", None, "Target model: a qwen35 GGUF file or an HF safetensors directory.",
                         required=True)
     flags.DEFINE_string("ids", None, "Token ids: a .npy file or a comma-separated list.")
-    flags.DEFINE_string("text", None, "Text to score (needs the GGUF tokenizer; not implemented yet).")
+    flags.DEFINE_string("text", None, "Text to score, tokenized as is (special tokens parsed, no chat template).")
     flags.DEFINE_string("out", None, "Write the logits [n, vocab] float32 to this .npy file.")
     flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).")
     app.run(lambda argv: sys.exit(main(argv)))

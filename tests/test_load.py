@@ -194,3 +194,13 @@ def test_score_cli_bad_input_is_one_line(tiny_gguf_path):
     proc = run_score("--target", str(tiny_gguf_path), "--ids", "1,2,99999")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "score: token id 99999 at position 2 is outside the vocabulary (0..1023); 1 such id(s)"]
+
+
+def test_score_cli_text_goes_through_the_gguf_tokenizer(tiny_gguf_path):
+    import json
+
+    case = json.loads((TINY / "tokenizer_ref.json").read_text())[0]
+    by_text = run_score("--target", str(tiny_gguf_path), "--text", case["text"])
+    by_ids = run_score("--target", str(tiny_gguf_path), "--ids", ",".join(map(str, case["ids"])))
+    assert by_text.returncode == 0 and by_ids.returncode == 0, by_text.stderr + by_ids.stderr
+    assert by_text.stdout.split("(load")[0] == by_ids.stdout.split("(load")[0]

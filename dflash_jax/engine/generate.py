@@ -30,6 +30,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     stopped: bool  # ended at a stop token (else at n_gen)
+    first_step_s: float = 0.0  # decode time until the first step's tokens were read (compiles the step once)
 
     @property
     def steps(self) -> int:
@@ -43,6 +44,12 @@ class Generation:
     def decode_tokens_per_s(self) -> float:
         decoded = sum(self.accept_lengths)
         return decoded / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """Decode rate after the first step (which includes compiling the step function on a fresh engine)."""
+        later, seconds = sum(self.accept_lengths[1:]), self.decode_s - self.first_step_s
+        return later / seconds if later and seconds > 0 else 0.0
 
     def histogram(self, width: int) -> list[int]:
         """How many steps emitted 1, 2, ..., width tokens."""
@@ -112,7 +119,7 @@ class Engine:
         state, first = self.start(prompt_ids, n_gen, stop_ids)
         jax.block_until_ready(state)
         t1 = time.perf_counter()
-        tokens, lengths, off_spine = [first], [], 0
+        tokens, lengths, off_spine, first_step_s = [first], [], 0, 0.0
         if on_tokens:
             on_tokens([first])
         stopped = first in stop_ids
@@ -122,6 +129,8 @@ class Engine:
         while not finished:
             state, following = self.step(self.tparams, self.dparams, state, stops)  # queued before the read below
             count = int(current.count)
+            if not lengths:
+                first_step_s = time.perf_counter() - t1
             new = np.asarray(current.tokens)[:count].tolist()
             if count == 0:  # the device had already finished
                 break
@@ -139,4 +148,4 @@ class Engine:
             current = following
         jax.block_until_ready(state)
         return Generation(tokens=tokens, accept_lengths=lengths, off_spine_steps=off_spine, prefill_s=t1 - t0,
-                          decode_s=time.perf_counter() - t1, stopped=stopped)
+                          decode_s=time.perf_counter() - t1, stopped=stopped, first_step_s=first_step_s)

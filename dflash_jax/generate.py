@@ -1,0 +1,228 @@
+"""`python -m dflash_jax.generate`: greedy generation from a prompt, streamed as tokens commit.
+
+    python -m dflash_jax.generate --prompt "def fib(n):"                  # the tiny model pair shipped in the package
+    python -m dflash_jax.generate --target Qwen3.5-27B-Q4_K_M.gguf --draft Qwen3.5-27B-DFlash --prompt "..." --stats
+
+The prompt goes through the model's chat template (the GGUF's, else ChatML) unless `--raw`; `--prompt_ids` skips
+tokenization. Generation stops at the end-of-sequence token, `<|im_end|>` or `<|endoftext|>`, or after `--n_gen`
+tokens. Bad input (missing files, a model of another architecture, a drafter that does not fit, a prompt too long
+for `--max_ctx`, invalid flag values) ends with a one-line error on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Sequence
+
+from dflash_jax import assets
+from dflash_jax.chat_template import render
+from dflash_jax.config import EngineConfig
+from dflash_jax.score import read_ids
+from dflash_jax.tokenizer import Tokenizer, load_tokenizer
+
+CTX_ROUND = 256  # --max_ctx 0 fits prompt + n_gen, rounded up to this (fewer distinct cache shapes to compile)
+USAGE_ERROR = 2
+
+
+class UsageError(ValueError):
+    """Bad flags or input: reported as one line on stderr with exit code 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """A loaded target, its tokenizer and (for chain/ddtree) its drafter."""
+
+    target: object  # dflash_jax.load.Target
+    draft: object | None  # dflash_jax.load.Draft
+    tokenizer: Tokenizer
+    load_s: float
+
+
+def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | None]:
+    """The target and drafter to load: the shipped tiny pair when no target is given."""
+    if target is None:
+        if draft is not None:
+            raise UsageError("--draft without --target: give the target the drafter belongs to")
+        return assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT
+    return target, draft
+
+
+def load_models(target_path: str, draft_path: str | None, mode: str, impl: str = "auto",
+                progress: bool = True) -> Models:
+    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other."""
+    from dflash_jax.load import load_draft, load_target
+
+    for path in (target_path, draft_path):
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"{path}: no such file or directory")
+    if mode != "ar" and draft_path is None:
+        raise UsageError(f"--mode {mode} needs a drafter: pass --draft DIR (or use --mode ar)")
+    t0 = time.perf_counter()
+    target = load_target(target_path, progress=progress, impl=impl)
+    tokenizer = load_tokenizer(target_path)
+    if tokenizer.vocab_size > target.config.vocab_size:
+        raise UsageError(f"{target_path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                         f"only {target.config.vocab_size}")
+    draft = load_draft(draft_path, target.config, progress=progress) if mode != "ar" else None
+    return Models(target, draft, tokenizer, time.perf_counter() - t0)
+
+
+def prompt_tokens(tokenizer: Tokenizer, text: str, *, system: str | None = None, raw: bool = False,
+                  thinking: bool = False) -> list[int]:
+    """Token ids of a user prompt: through the chat template (system message first), or as is with raw."""
+    if raw:
+        return tokenizer.encode(text)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tokenizer.encode(render(messages, tokenizer.chat_template, enable_thinking=thinking,
+                                   bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token))
+
+
+def fit_max_ctx(requested: int, prompt_len: int, n_gen: int) -> int:
+    """The context to allocate: the requested one, or (0) prompt + n_gen rounded up to CTX_ROUND."""
+    if requested:
+        if prompt_len + n_gen > requested:
+            raise UsageError(f"prompt of {prompt_len} tokens + --n_gen {n_gen} exceeds --max_ctx {requested}")
+        return requested
+    return -(-(prompt_len + n_gen) // CTX_ROUND) * CTX_ROUND
+
+
+def default_jit_cache() -> str:
+    """Where compiled functions persist between runs: $XDG_CACHE_HOME (or ~/.cache)/dflash_jax/jit."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dflash_jax", "jit")
+
+
+def enable_jit_cache(path: str) -> None:
+    """Keep JAX's compiled executables in path, so a second run skips compiling ("" leaves the cache off)."""
+    import jax
+
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _backend() -> str:
+    import jax
+
+    return f"{jax.default_backend()}, {jax.devices()[0].device_kind}"
+
+
+def run(argv: Sequence[str]) -> int:
+    """The command; returns its exit code."""
+    from absl import flags, logging
+
+    from dflash_jax.engine.generate import Engine
+
+    logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
+    f = flags.FLAGS
+    enable_jit_cache(f.jit_cache)
+    if len(argv) > 1:
+        raise UsageError(f"unexpected arguments: {' '.join(argv[1:])} (the prompt goes in --prompt or stdin)")
+    if f.prompt is not None and f.prompt_ids is not None:
+        raise UsageError("pass either --prompt or --prompt_ids, not both")
+    target_path, draft_path = resolve_paths(f.target, f.draft)
+    ecfg = EngineConfig(mode=f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed)  # checks the values
+    if f.prompt_ids is not None:
+        ids = read_ids(f.prompt_ids, flag="--prompt_ids").tolist()
+        fit_max_ctx(f.max_ctx, len(ids), f.n_gen)  # before loading anything
+    else:
+        text = f.prompt if f.prompt is not None else sys.stdin.read()
+        if not text.strip():
+            raise UsageError("empty prompt: pass --prompt TEXT, --prompt_ids, or text on stdin")
+    models = load_models(target_path, draft_path, f.mode, progress=not f.json)
+    tok = models.tokenizer
+    if f.prompt_ids is None:
+        ids = prompt_tokens(tok, text, system=f.system, raw=f.raw, thinking=f.thinking)
+    ecfg = dataclasses.replace(ecfg, max_ctx=fit_max_ctx(f.max_ctx, len(ids), f.n_gen))
+    engine = Engine.from_loaded(models.target, models.draft, ecfg)
+    stops = tok.stop_ids
+    decoder = tok.stream()
+
+    def stream(new: list[int]) -> None:
+        text = decoder.push([t for t in new if t not in stops])
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    gen = engine.generate(ids, f.n_gen, stops, on_tokens=None if f.json else stream)
+    if f.json:
+        out = dict(prompt_ids=list(map(int, ids)), tokens=gen.tokens,
+                   text=tok.decode([t for t in gen.tokens if t not in stops]), mode=f.mode,
+                   accept_lengths=gen.accept_lengths, steps=gen.steps, mean_accept_length=gen.mean_accept_length,
+                   stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
+                   first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
+                   steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, backend=_backend())
+        print(json.dumps(out))
+    else:
+        sys.stdout.write(decoder.flush() + "\n")
+    if f.stats:
+        emitted = sum(gen.accept_lengths)
+        print(f"[{f.mode}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill {gen.prefill_s:.2f} s "
+              f"(with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over {gen.steps} steps, "
+              f"acceptance length {gen.mean_accept_length:.2f}: first step {gen.first_step_s:.2f} s (with "
+              f"compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str]) -> None:
+    try:
+        code = run(argv)
+    except KeyboardInterrupt:
+        print("\ngenerate: interrupted", file=sys.stderr)
+        code = 130
+    except (OSError, ValueError, NotImplementedError) as e:  # every input error class is a ValueError
+        print(f"generate: {e}", file=sys.stderr)
+        code = USAGE_ERROR
+    sys.exit(code)
+
+
+def define_flags() -> None:
+    """The command's absl flags (defined only when it runs as a program)."""
+    from absl import flags
+
+    flags.DEFINE_string("target", None, "Target: a qwen35 GGUF file or an HF directory (default: the shipped tiny "
+                        "model).")
+    flags.DEFINE_string("draft", None, "DFlash drafter: a directory with config.json and model.safetensors, or the "
+                        ".safetensors file (default: the shipped tiny drafter when --target is not given).")
+    flags.DEFINE_string("prompt", None, "Prompt text (default: read stdin).")
+    flags.DEFINE_string("prompt_ids", None, "Prompt token ids, comma-separated or a .npy file (skips tokenization "
+                        "and the chat template).")
+    flags.DEFINE_string("system", None, "System message for the chat template.")
+    flags.DEFINE_integer("n_gen", 256, "Tokens to generate at most.", lower_bound=1)
+    flags.DEFINE_enum("mode", "ddtree", ["ar", "chain", "ddtree"], "Decoding: autoregressive, the draft's block "
+                      "as a chain, or a DDTree.")
+    flags.DEFINE_integer("budget", 22, "DDTree nodes besides the root.", lower_bound=1)
+    flags.DEFINE_integer("topk", 8, "DDTree candidates per depth.", lower_bound=1)
+    flags.DEFINE_boolean("chain_seed", True, "Seed the DDTree with the draft's top-1 chain before best-first "
+                         "expansion (as the C++ engine does).")
+    flags.DEFINE_integer("max_ctx", 0, "Context to allocate (0: prompt + n_gen, rounded up to "
+                         f"{CTX_ROUND}).", lower_bound=0)
+    flags.DEFINE_boolean("raw", False, "Do not apply the chat template.")
+    flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
+    flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")
+    flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
+                        "second run with the same shapes skips compiling); empty to turn it off.")
+    flags.DEFINE_boolean("json", False, "Print one JSON object (token ids, text, per-step acceptance, timings) "
+                         "instead of streaming text.")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing with bad flags reported as one line and exit code 2 (absl's default is a usage dump)."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"generate: {e}", file=sys.stderr)
+        sys.exit(USAGE_ERROR)
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    define_flags()
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,190 @@
+"""Text <-> token ids: the byte-level BPE stored in a GGUF's `tokenizer.ggml.*` metadata, or an HF directory's files.
+
+From a GGUF, the vocabulary, merges and token types are rebuilt as a `tokenizers` BPE behind the pre-tokenizer
+that `tokenizer.ggml.pre` names (llama.cpp's `qwen35` or `qwen2` split regex, then the byte-to-unicode map), with
+control and user-defined tokens matched whole in the text, as llama.cpp's tokenizer does with special-token parsing
+on. From an HF directory, transformers' own tokenizer is used. Either way decoding goes through each token's bytes,
+and `StreamDecoder` holds back an incomplete UTF-8 sequence until the tokens that finish it arrive.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Sequence
+
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp): contractions, letters (with combining marks for qwen35)
+# after one optional non-letter, single digits, punctuation runs with trailing newlines, newline runs, whitespace.
+PRE_TOKENIZERS = {
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+# GGUF token types (llama.cpp's llama_token_type): matched whole in text rather than split by BPE
+CONTROL, USER_DEFINED = 3, 4
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built from the given files."""
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable unicode character -> the byte it stands for."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _byte_level_bytes(piece: str) -> bytes:
+    """The bytes a byte-level BPE token stands for (a token outside the alphabet is taken as its UTF-8 text)."""
+    table = _byte_decoder()
+    if all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return piece.encode("utf-8")
+
+
+class Tokenizer:
+    """Encode text, decode ids, and the ids that end a reply; built by `from_gguf` or `from_hf_dir`."""
+
+    def __init__(self, backend: Any, token_bytes: list[bytes], special: dict[str, int], eos_id: int | None,
+                 chat_template: str | None, bos_token: str | None = None):
+        self.backend = backend  # a tokenizers.Tokenizer
+        self.token_bytes = token_bytes
+        self.special = special  # text -> id of every token matched whole (control and user-defined)
+        self.eos_id = eos_id
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = token_bytes[eos_id].decode("utf-8", "replace") if eos_id is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.token_bytes)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a reply: the end-of-sequence token, `<|im_end|>` and `<|endoftext|>` where present."""
+        ids = [self.eos_id] if self.eos_id is not None else []
+        ids += [self.special[t] for t in STOP_TOKENS if t in self.special]
+        return tuple(dict.fromkeys(ids))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, special tokens (e.g. `<|im_start|>`) parsed; no BOS is added."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ids (special tokens as their text; invalid UTF-8 replaced)."""
+        return b"".join(self.token_bytes[int(i)] for i in ids).decode("utf-8", errors="replace")
+
+    def stream(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+        """The tokenizer stored in a GGUF file's metadata (a `gpt2` byte-level BPE)."""
+        from dflash_jax.gguf import open_metadata
+
+        meta = open_metadata(os.fspath(path))
+        model = meta.value("tokenizer.ggml.model", None)
+        if model is None:
+            raise TokenizerError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model is missing)")
+        if model != "gpt2":
+            raise TokenizerError(f"{path}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+        pre = meta.value("tokenizer.ggml.pre", "qwen2")
+        if pre not in PRE_TOKENIZERS:
+            raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported ({', '.join(PRE_TOKENIZERS)})")
+        tokens = meta.value("tokenizer.ggml.tokens")
+        types = meta.value("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = meta.value("tokenizer.ggml.merges", [])
+        if len(types) != len(tokens):
+            raise TokenizerError(f"{path}: {len(types)} token types for {len(tokens)} tokens")
+        eos = meta.value("tokenizer.ggml.eos_token_id", None)
+        bos = meta.value("tokenizer.ggml.bos_token_id", None)
+        special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)}
+        backend = _bpe_backend(tokens, merges, PRE_TOKENIZERS[pre],
+                               [(t, types[i] == CONTROL) for t, i in special.items()])
+        token_bytes = [t.encode("utf-8") if t in special else _byte_level_bytes(t) for t in tokens]
+        return cls(backend, token_bytes, special, None if eos is None else int(eos),
+                   meta.value("tokenizer.chat_template", None),
+                   None if bos is None or not 0 <= int(bos) < len(tokens) else tokens[int(bos)])
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        """The tokenizer of an HF model directory (tokenizer.json and its config), through transformers."""
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+        except Exception as e:  # transformers raises assorted errors for a missing or broken tokenizer
+            raise TokenizerError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None:
+            raise TokenizerError(f"{path}: the tokenizer has no fast (tokenizers) backend")
+        n = len(hf)
+        added = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
+        pieces = hf.convert_ids_to_tokens(list(range(n)))
+        token_bytes = [p.encode("utf-8") if p in added else _byte_level_bytes(p or "") for p in pieces]
+        eos = hf.eos_token_id
+        return cls(backend, token_bytes, added, eos, getattr(hf, "chat_template", None), hf.bos_token)
+
+
+def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a model: a GGUF file's metadata, or an HF directory's tokenizer files."""
+    if os.path.isdir(model_path):
+        return Tokenizer.from_hf_dir(model_path)
+    return Tokenizer.from_gguf(model_path)
+
+
+def _bpe_backend(tokens: list[str], merges: list[str], pattern: str, added: list[tuple[str, bool]]):
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    backend.add_tokens([AddedToken(t, special=is_control, normalized=False) for t, is_control in added])
+    return backend
+
+
+class StreamDecoder:
+    """Text of tokens as they arrive, never splitting a multi-byte UTF-8 character across two pieces."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.pending = tokenizer, b""
+
+    def push(self, ids: Sequence[int]) -> str:
+        """The text that ids complete (an unfinished character is kept for the next push)."""
+        data = self.pending + b"".join(self.tokenizer.token_bytes[int(i)] for i in ids)
+        cut = _complete_prefix(data)
+        self.pending = data[cut:]
+        return data[:cut].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        """Whatever is held back (an unfinished character at the end becomes U+FFFD)."""
+        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
+        return text
+
+
+def _complete_prefix(data: bytes) -> int:
+    """Length of data without a trailing, still incomplete UTF-8 sequence."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 == 0x80:  # a continuation byte: look further back for its lead byte
+            continue
+        need = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+        return len(data) - back if back < need else len(data)
+    return len(data)

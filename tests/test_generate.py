@@ -1,0 +1,101 @@
+"""`python -m dflash_jax.generate` as users run it: greedy-exact speculative output, the shipped default pair,
+streaming text, and one-line errors with exit code 2 for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TINY
+from dflash_jax import assets
+from dflash_jax.testing.gguf_writer import rewrite_gguf
+
+
+@pytest.fixture(scope="module")
+def jit_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jit"))
+
+
+def generate(*args, jit_cache="", stdin=None):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "dflash_jax.generate", f"--jit_cache={jit_cache}", *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, input=stdin)
+
+
+def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
+    """ar, chain and ddtree (--json) on the fixture pair give the same ids: HF transformers' greedy continuation."""
+    want = np.load(TINY / "ref.npz")["hf_q_greedy"][:20].tolist()
+    runs = {}
+    for mode in ("ar", "chain", "ddtree"):
+        proc = generate("--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--prompt_ids",
+                        str(TINY / "tokens.npy"), "--n_gen", "20", "--mode", mode, "--json", jit_cache=jit_cache)
+        assert proc.returncode == 0, proc.stderr
+        runs[mode] = json.loads(proc.stdout)
+    for mode, out in runs.items():
+        assert out["tokens"] == want, mode
+        assert sum(out["accept_lengths"]) == 19 and out["steps"] == len(out["accept_lengths"])  # first from prefill
+    assert runs["ddtree"]["prompt_ids"] == np.load(TINY / "tokens.npy").tolist()
+
+
+def test_default_pair_streams_text_and_stats(jit_cache):
+    """The README's first command: no --target, the pair shipped in the package; the text streams to stdout."""
+    assert os.path.exists(assets.DEFAULT_TARGET) and os.path.isdir(assets.DEFAULT_DRAFT)
+    proc = generate("--prompt", "def fibonacci(n):", "--n_gen", "12", "--stats", jit_cache=jit_cache)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() and "acceptance length" in proc.stderr and "[ddtree]" in proc.stderr
+    raw = generate("--prompt", "def fibonacci(n):", "--n_gen", "12", "--json", jit_cache=jit_cache)
+    out = json.loads(raw.stdout)
+    from dflash_jax.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(assets.DEFAULT_TARGET)
+    assert out["text"] == tok.decode([t for t in out["tokens"] if t not in tok.stop_ids])
+    assert proc.stdout.rstrip("\n") == out["text"]  # streamed pieces add up to the whole text
+    assert tok.decode(out["prompt_ids"]).startswith("<|im_start|>user\ndef fibonacci(n):<|im_end|>\n")
+
+
+def test_stdin_raw_prompt(jit_cache):
+    proc = generate("--raw", "--n_gen", "4", "--mode", "ar", "--json", stdin="x = 1\n", jit_cache=jit_cache)
+    assert proc.returncode == 0, proc.stderr
+    from dflash_jax.tokenizer import Tokenizer
+    assert json.loads(proc.stdout)["prompt_ids"] == Tokenizer.from_gguf(assets.DEFAULT_TARGET).encode("x = 1\n")
+
+
+def _other_arch(tiny_gguf_path, tmp_path):
+    path = tmp_path / "llama.gguf"
+    rewrite_gguf(tiny_gguf_path, path, arch="llama")
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda g, t: ["--target", str(t / "missing.gguf"), "--mode", "ar", "--prompt", "hi"], "no such file"),
+    (lambda g, t: ["--target", _other_arch(g, t), "--mode", "ar", "--prompt", "hi"],
+     "architecture 'llama' is not supported"),
+    (lambda g, t: ["--target", str(g), "--draft", assets.DEFAULT_DRAFT, "--prompt", "hi"], "vocab 512 != the target's"),
+    (lambda g, t: ["--target", str(g), "--prompt_ids", "1,2,3,4", "--max_ctx", "8", "--n_gen", "8"],
+     "prompt of 4 tokens \\+ --n_gen 8 exceeds --max_ctx 8"),
+    (lambda g, t: ["--target", str(g), "--mode", "ar", "--prompt_ids", "1,5000"], "token id 5000 at position 1"),
+    (lambda g, t: ["--prompt_ids", "1,x"], "expected a .npy file or comma-separated integers"),
+    (lambda g, t: ["--budget", "0", "--prompt", "hi"], "flag --budget=0"),
+    (lambda g, t: ["--mode", "beam", "--prompt", "hi"], "flag --mode=beam"),
+    (lambda g, t: ["--draft", str(t), "--prompt", "hi"], "--draft without --target"),
+    (lambda g, t: ["--target", str(g), "--prompt", "hi"], "--mode ddtree needs a drafter"),
+    (lambda g, t: ["--prompt", "   "], "empty prompt"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tiny_gguf_path, tmp_path, args, message):
+    import re
+
+    proc = generate(*args(tiny_gguf_path, tmp_path))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), proc.stderr
+    assert lines[0].startswith("generate: ")
+
+
+def test_shipped_pair_is_what_the_script_writes(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_default_model import make
+
+    make(tmp_path, seed=0)
+    for rel in ("target.gguf", "draft/config.json", "draft/model.safetensors"):
+        assert (tmp_path / rel).read_bytes() == (ROOT / "dflash_jax" / "assets" / "default" / rel).read_bytes(), rel

@@ -1,0 +1,78 @@
+"""The GGUF tokenizer against llama.cpp's tokenization of the fixture, UTF-8-safe streaming, the HF route, errors."""
+
+import json
+
+import pytest
+from gguf import GGUFValueType as VT
+
+from conftest import TINY
+from dflash_jax.testing.gguf_writer import rewrite_gguf
+from dflash_jax.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+
+CASES = json.loads((TINY / "tokenizer_ref.json").read_text()) if (TINY / "tokenizer_ref.json").exists() else []
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_gguf_path):
+    return Tokenizer.from_gguf(tiny_gguf_path)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["text"][:20] for c in CASES])
+def test_reproduces_llama_cpp_ids_and_decodes_back(tok, case):
+    """Contractions in any case, digit runs, CRLF, whitespace runs, combining marks, emoji, special tokens."""
+    assert tok.encode(case["text"]) == case["ids"]
+    assert tok.decode(case["ids"]) == case["text"]
+
+
+def test_stop_ids_and_special_tokens(tok):
+    assert tok.stop_ids == (1020, 1018)  # eos = <|im_end|>, then <|endoftext|>
+    assert tok.encode("a<|im_end|>b") == [64, 1020, 65]
+    assert tok.eos_token == "<|im_end|>" and tok.bos_token == "<|endoftext|>"
+
+
+def test_stream_never_splits_a_character(tok):
+    text = "Ünïcödé 日本語 🙂 café"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # multi-byte characters span several byte tokens
+    stream, pieces = tok.stream(), []
+    for i in ids:
+        pieces.append(stream.push([i]))
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+def test_stream_flush_marks_an_unfinished_character(tok):
+    stream = tok.stream()
+    assert stream.push(tok.encode("é")[:1]) == ""  # the lead byte alone is held back
+    assert stream.flush() == "\ufffd"
+
+
+def test_hf_directory_uses_transformers_and_agrees(tok, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token="<|im_end|>", bos_token="<|endoftext|>")
+    hf.chat_template = "{{ messages[0]['content'] }}"
+    hf.save_pretrained(tmp_path)
+    got = load_tokenizer(tmp_path)
+    for case in CASES:
+        assert got.encode(case["text"]) == case["ids"]
+        assert got.decode(case["ids"]) == case["text"]
+    assert got.stop_ids == tok.stop_ids and got.chat_template == hf.chat_template
+
+
+@pytest.mark.parametrize("keys, message", [
+    ([("tokenizer.ggml.model", "llama", VT.STRING, None)], "tokenizer model 'llama' is not supported"),
+    ([("tokenizer.ggml.pre", "falcon", VT.STRING, None)], "pre-tokenizer 'falcon' is not supported"),
+])
+def test_unsupported_tokenizers_are_refused(tiny_gguf_path, tmp_path, keys, message):
+    path = tmp_path / "edited.gguf"
+    rewrite_gguf(tiny_gguf_path, path, set_keys=keys)
+    with pytest.raises(TokenizerError, match=message):
+        Tokenizer.from_gguf(path)
+
+
+def test_gguf_without_tokenizer(tiny_gguf_path, tmp_path):
+    path = tmp_path / "bare.gguf"
+    rewrite_gguf(tiny_gguf_path, path, drop_keys=["tokenizer.ggml.model"])
+    with pytest.raises(TokenizerError, match="no tokenizer in the GGUF metadata"):
+        Tokenizer.from_gguf(path)
