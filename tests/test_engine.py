@@ -149,3 +149,18 @@ def test_bad_engine_input_is_refused_before_any_compute(tparams):
         engine.generate(np.arange(20), 13)
     with pytest.raises(InputError, match="outside the vocabulary"):
         engine.generate([1, TCFG.vocab_size], 4)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_a_conversation_continues_from_its_state(tparams, random_drafters, mode):
+    """Turn 2 prefills only the pending token and its new ids, and says what a fresh run of the whole context says."""
+    ecfg = EngineConfig(mode=mode, budget=8, topk=4, max_ctx=MAX_CTX)
+    engine = Engine(TCFG, tparams, ecfg, *random_drafters["full"]) if mode != "ar" else Engine(TCFG, tparams, ecfg)
+    fresh = Engine(TCFG, tparams, EngineConfig(mode="ar", max_ctx=MAX_CTX))
+    first, second = prompt(1), np.arange(20, 25)
+    turn1 = engine.generate(first, 10)
+    turn2 = engine.generate(second, 10, after=turn1.state)
+    assert turn2.tokens == fresh.generate(np.concatenate([first, turn1.tokens, second]), 10).tokens
+    assert int(turn2.state.target.length) == len(first) + 10 + len(second) + 9  # the last reply token is pending
+    with pytest.raises(InputError, match="committed tokens \\+ prompt of"):
+        engine.generate(np.arange(10, 10 + MAX_CTX), 1, after=turn2.state)

@@ -31,6 +31,7 @@ class Generation:
     decode_s: float
     stopped: bool  # ended at a stop token (else at n_gen)
     first_step_s: float = 0.0  # decode time until the first step's tokens were read (compiles the step once)
+    state: DecodeState | None = None  # the final state: pass it as `after` to continue the same conversation
 
     @property
     def steps(self) -> int:
@@ -83,18 +84,28 @@ class Engine:
         return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.impl), draft.params,
                    impl=target.impl)
 
-    def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int,
-              stop_ids: Sequence[int] = ()) -> tuple[DecodeState, int]:
-        """Prefill a prompt: the decode state and the first generated token (already counted against n_gen)."""
+    def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
+              after: DecodeState | None = None) -> tuple[DecodeState, int]:
+        """Prefill a prompt: the decode state and the first generated token (already counted against n_gen).
+
+        With `after` (a finished generation's state, which this consumes), the prompt continues that context: only
+        the previous reply's last token, still pending, and the new ids are prefilled."""
         ids = check_tokens(self.tcfg, prompt_ids)
         if n_gen < 1:
             raise InputError(f"n_gen must be at least 1, got {n_gen}")
-        if len(ids) + n_gen > self.ecfg.max_ctx:
-            raise InputError(f"prompt of {len(ids)} tokens + {n_gen} to generate exceeds the context of "
+        committed = int(after.target.length) if after is not None else 0
+        if after is not None:
+            ids = np.concatenate([np.asarray([int(after.root)], np.int32), ids])
+        if committed + len(ids) + n_gen > self.ecfg.max_ctx:
+            before = f"{committed} committed tokens + " if after is not None else ""
+            raise InputError(f"{before}prompt of {len(ids)} tokens + {n_gen} to generate exceeds the context of "
                              f"{self.ecfg.max_ctx} tokens (raise max_ctx)")
         kv_dtype = jnp.dtype(self.ecfg.kv_dtype)
-        tstate = init_state(self.tcfg, self.ecfg.max_ctx + self.verify_tokens, kv_dtype)
-        dstate = self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None
+        if after is not None:
+            tstate, dstate = after.target, after.draft
+        else:
+            tstate = init_state(self.tcfg, self.ecfg.max_ctx + self.verify_tokens, kv_dtype)
+            dstate = self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None
         taps = self.drafter.taps if self.drafter else ()
         for n, logits, tapped, tstate in prefill_chunks(self.tparams, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK,
                                                         taps=taps, impl=self.impl):
@@ -112,11 +123,13 @@ class Engine:
         return jnp.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32)
 
     def generate(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
-                 on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
-        """Greedy generation of up to n_gen tokens, ending after a stop token; on_tokens streams them."""
+                 on_tokens: Callable[[list[int]], None] | None = None, after: DecodeState | None = None) -> Generation:
+        """Greedy generation of up to n_gen tokens, ending after a stop token; on_tokens streams them.
+
+        `after` continues from a previous Generation's `state` (see `start`)."""
         stops = self.stop_array(stop_ids)
         t0 = time.perf_counter()
-        state, first = self.start(prompt_ids, n_gen, stop_ids)
+        state, first = self.start(prompt_ids, n_gen, stop_ids, after)
         jax.block_until_ready(state)
         t1 = time.perf_counter()
         tokens, lengths, off_spine, first_step_s = [first], [], 0, 0.0
@@ -148,4 +161,5 @@ class Engine:
             current = following
         jax.block_until_ready(state)
         return Generation(tokens=tokens, accept_lengths=lengths, off_spine_steps=off_spine, prefill_s=t1 - t0,
-                          decode_s=time.perf_counter() - t1, stopped=stopped, first_step_s=first_step_s)
+                          decode_s=time.perf_counter() - t1, stopped=stopped, first_step_s=first_step_s,
+                          state=state)
