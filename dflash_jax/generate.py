@@ -180,44 +180,50 @@ def main(argv: Sequence[str]) -> None:
     sys.exit(code)
 
 
-def define_flags() -> None:
-    """The command's absl flags (defined only when it runs as a program)."""
+def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0) -> None:
+    """The model and decoding flags that generate and chat share."""
     from absl import flags
 
     flags.DEFINE_string("target", None, "Target: a qwen35 GGUF file or an HF directory (default: the shipped tiny "
                         "model).")
     flags.DEFINE_string("draft", None, "DFlash drafter: a directory with config.json and model.safetensors, or the "
                         ".safetensors file (default: the shipped tiny drafter when --target is not given).")
-    flags.DEFINE_string("prompt", None, "Prompt text (default: read stdin).")
-    flags.DEFINE_string("prompt_ids", None, "Prompt token ids, comma-separated or a .npy file (skips tokenization "
-                        "and the chat template).")
     flags.DEFINE_string("system", None, "System message for the chat template.")
-    flags.DEFINE_integer("n_gen", 256, "Tokens to generate at most.", lower_bound=1)
+    flags.DEFINE_integer("n_gen", n_gen, "Tokens to generate at most (per reply).", lower_bound=1)
     flags.DEFINE_enum("mode", "ddtree", ["ar", "chain", "ddtree"], "Decoding: autoregressive, the draft's block "
                       "as a chain, or a DDTree.")
     flags.DEFINE_integer("budget", 22, "DDTree nodes besides the root.", lower_bound=1)
     flags.DEFINE_integer("topk", 8, "DDTree candidates per depth.", lower_bound=1)
     flags.DEFINE_boolean("chain_seed", True, "Seed the DDTree with the draft's top-1 chain before best-first "
                          "expansion (as the C++ engine does).")
-    flags.DEFINE_integer("max_ctx", 0, "Context to allocate (0: prompt + n_gen, rounded up to "
-                         f"{CTX_ROUND}).", lower_bound=0)
-    flags.DEFINE_boolean("raw", False, "Do not apply the chat template.")
+    flags.DEFINE_integer("max_ctx", max_ctx, max_ctx_help, lower_bound=0)
     flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.")
+
+
+def define_flags() -> None:
+    """The command's absl flags (defined only when it runs as a program)."""
+    from absl import flags
+
+    define_model_flags(256, f"Context to allocate (0: prompt + n_gen, rounded up to {CTX_ROUND}).")
+    flags.DEFINE_string("prompt", None, "Prompt text (default: read stdin).")
+    flags.DEFINE_string("prompt_ids", None, "Prompt token ids, comma-separated or a .npy file (skips tokenization "
+                        "and the chat template).")
+    flags.DEFINE_boolean("raw", False, "Do not apply the chat template.")
     flags.DEFINE_boolean("json", False, "Print one JSON object (token ids, text, per-step acceptance, timings) "
                          "instead of streaming text.")
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def parse_flags(argv: list[str], command: str = "generate") -> list[str]:
     """absl flag parsing with bad flags reported as one line and exit code 2 (absl's default is a usage dump)."""
     from absl import flags
 
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        print(f"generate: {e}", file=sys.stderr)
+        print(f"{command}: {e}", file=sys.stderr)
         sys.exit(USAGE_ERROR)
 
 

@@ -162,5 +162,8 @@ def test_a_conversation_continues_from_its_state(tparams, random_drafters, mode)
     turn2 = engine.generate(second, 10, after=turn1.state)
     assert turn2.tokens == fresh.generate(np.concatenate([first, turn1.tokens, second]), 10).tokens
     assert int(turn2.state.target.length) == len(first) + 10 + len(second) + 9  # the last reply token is pending
+    turn3 = engine.generate(second, 10, after=turn2.state, keep_pending=False)  # a chat drops a pending stop token
+    context = np.concatenate([first, turn1.tokens, second, turn2.tokens[:-1], second])
+    assert turn3.tokens == fresh.generate(context, 10).tokens
     with pytest.raises(InputError, match="committed tokens \\+ prompt of"):
-        engine.generate(np.arange(10, 10 + MAX_CTX), 1, after=turn2.state)
+        engine.generate(np.arange(10, 10 + MAX_CTX), 1, after=turn3.state)

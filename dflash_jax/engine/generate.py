@@ -85,16 +85,17 @@ class Engine:
                    impl=target.impl)
 
     def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
-              after: DecodeState | None = None) -> tuple[DecodeState, int]:
+              after: DecodeState | None = None, keep_pending: bool = True) -> tuple[DecodeState, int]:
         """Prefill a prompt: the decode state and the first generated token (already counted against n_gen).
 
         With `after` (a finished generation's state, which this consumes), the prompt continues that context: only
-        the previous reply's last token, still pending, and the new ids are prefilled."""
+        the previous reply's last token, still pending, and the new ids are prefilled; with keep_pending False that
+        last token is dropped (a chat replaces the stop token that ended a reply by its template's own)."""
         ids = check_tokens(self.tcfg, prompt_ids)
         if n_gen < 1:
             raise InputError(f"n_gen must be at least 1, got {n_gen}")
         committed = int(after.target.length) if after is not None else 0
-        if after is not None:
+        if after is not None and keep_pending:
             ids = np.concatenate([np.asarray([int(after.root)], np.int32), ids])
         if committed + len(ids) + n_gen > self.ecfg.max_ctx:
             before = f"{committed} committed tokens + " if after is not None else ""
@@ -123,13 +124,14 @@ class Engine:
         return jnp.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32)
 
     def generate(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
-                 on_tokens: Callable[[list[int]], None] | None = None, after: DecodeState | None = None) -> Generation:
+                 on_tokens: Callable[[list[int]], None] | None = None, after: DecodeState | None = None,
+                 keep_pending: bool = True) -> Generation:
         """Greedy generation of up to n_gen tokens, ending after a stop token; on_tokens streams them.
 
         `after` continues from a previous Generation's `state` (see `start`)."""
         stops = self.stop_array(stop_ids)
         t0 = time.perf_counter()
-        state, first = self.start(prompt_ids, n_gen, stop_ids, after)
+        state, first = self.start(prompt_ids, n_gen, stop_ids, after, keep_pending)
         jax.block_until_ready(state)
         t1 = time.perf_counter()
         tokens, lengths, off_spine, first_step_s = [first], [], 0, 0.0

@@ -1,0 +1,167 @@
+"""`python -m dflash_jax.chat`: a multi-turn chat REPL with streamed replies.
+
+    python -m dflash_jax.chat [--target MODEL --draft DRAFT] [--system TEXT] [--stats]
+
+The conversation's state stays on the device between turns: when the next turn's rendered prompt extends the text
+the state already holds (the usual case with ChatML-style templates), only the new tokens are prefilled. Otherwise
+(a template that rewrites earlier turns) the whole conversation is prefilled again. Ctrl+C interrupts a reply (the
+partial reply is kept, the next turn re-prefills); `/reset` starts over; Ctrl+D (or `/exit`) quits.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+from dflash_jax.chat_template import render
+from dflash_jax.config import EngineConfig
+from dflash_jax.engine.prefill import InputError
+from dflash_jax.generate import (USAGE_ERROR, UsageError, define_model_flags, enable_jit_cache, load_models,
+                                 parse_flags, resolve_paths)
+from dflash_jax.tokenizer import Tokenizer
+
+PROMPT = ">>> "
+
+
+class Conversation:
+    """The messages so far, and the device state after the last reply with the text of the reply's tokens."""
+
+    def __init__(self, engine, tokenizer: Tokenizer, *, system: str | None = None, thinking: bool = False,
+                 n_gen: int = 512):
+        self.engine, self.tokenizer, self.n_gen, self.thinking = engine, tokenizer, n_gen, thinking
+        self.system = system
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.state, self.stopped = None, False
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        tok = self.tokenizer
+        return render(messages, tok.chat_template, add_generation_prompt=generation_prompt,
+                      enable_thinking=self.thinking, bos_token=tok.bos_token, eos_token=tok.eos_token)
+
+    def _continuation(self, prompt: str) -> str | None:
+        """The text to prefill after the state's tokens, or None when the state cannot be continued.
+
+        The state holds the previous prompt and the reply's tokens (the stop token that ended it still pending, to
+        be dropped). The template renders that reply into history as `... content + tail` (e.g. `<|im_end|>\n`),
+        then the new turn; what the state lacks is the tail and the new turn."""
+        content = self.messages[-2]["content"]
+        history = self._render(self.messages[:-1], False)
+        at = history.rfind(content)
+        if self.state is None or not content or at < 0 or not prompt.startswith(history):
+            return None
+        return history[at + len(content):] + prompt[len(history):]
+
+    def reply(self, text: str, on_text: Callable[[str], None]):
+        """Generate the assistant's reply to a user message, streaming its text; returns (Generation, tokens
+        prefilled). A KeyboardInterrupt keeps the partial reply and drops the device state."""
+        tok = self.tokenizer
+        self.messages.append({"role": "user", "content": text})
+        prompt = self._render(self.messages, True)
+        rest = self._continuation(prompt) if self.state is not None else None
+        ids = tok.encode(prompt if rest is None else rest)
+        after, keep = (self.state, not self.stopped) if rest is not None else (None, True)
+        previous, self.state = self.state, None  # consumed (or dropped) unless the engine refuses the turn
+        decoder, got = tok.stream(), []
+
+        def stream(new: list[int]) -> None:
+            got.extend(new)
+            piece = decoder.push([t for t in new if t not in tok.stop_ids])
+            if piece:
+                on_text(piece)
+
+        try:
+            gen = self.engine.generate(ids, self.n_gen, tok.stop_ids, on_tokens=stream, after=after,
+                                       keep_pending=keep)
+        except InputError:  # refused before any compute (e.g. the context is full): nothing changed
+            self.messages.pop()
+            self.state = previous
+            raise
+        except KeyboardInterrupt:
+            self.messages.append({"role": "assistant", "content": tok.decode([t for t in got
+                                                                             if t not in tok.stop_ids])})
+            raise
+        finally:
+            on_text(decoder.flush())
+        self.messages.append({"role": "assistant", "content": tok.decode([t for t in gen.tokens
+                                                                         if t not in tok.stop_ids])})
+        self.state, self.stopped = gen.state, gen.stopped
+        return gen, len(ids) + (1 if after is not None and keep else 0)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run(argv: Sequence[str]) -> int:
+    """The REPL; returns its exit code."""
+    from absl import flags, logging
+
+    from dflash_jax.engine.generate import Engine
+
+    logging.set_verbosity(logging.WARNING)
+    f = flags.FLAGS
+    if len(argv) > 1:
+        raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    enable_jit_cache(f.jit_cache)
+    target_path, draft_path = resolve_paths(f.target, f.draft)
+    ecfg = EngineConfig(mode=f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed, max_ctx=f.max_ctx)
+    if f.n_gen >= f.max_ctx:
+        raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
+    models = load_models(target_path, draft_path, f.mode)
+    engine = Engine.from_loaded(models.target, models.draft, ecfg)
+    chat = Conversation(engine, models.tokenizer, system=f.system, thinking=f.thinking, n_gen=f.n_gen)
+    print(f"dflash-jax chat: {target_path} ({f.mode}); Ctrl+C stops a reply, /reset starts over, Ctrl+D quits.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input(PROMPT)
+        except EOFError:
+            _write("\n")
+            return 0
+        except KeyboardInterrupt:
+            _write("\n")
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            chat.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        try:
+            gen, prefilled = chat.reply(line, _write)
+        except KeyboardInterrupt:
+            _write("\n[interrupted]\n")
+            continue
+        except InputError as e:
+            print(f"chat: {e}; /reset to start over", file=sys.stderr)
+            continue
+        _write("\n")
+        if f.stats:
+            print(f"[{f.mode}] prefilled {prefilled} tokens in {gen.prefill_s:.2f} s; {sum(gen.accept_lengths)} "
+                  f"more in {gen.decode_s:.2f} s over {gen.steps} steps, acceptance length "
+                  f"{gen.mean_accept_length:.2f}, {gen.steady_tokens_per_s:.1f} tok/s after the first step; "
+                  f"context {int(gen.state.target.length)} / {f.max_ctx}", file=sys.stderr)
+
+
+def main(argv: Sequence[str]) -> None:
+    try:
+        code = run(argv)
+    except KeyboardInterrupt:
+        code = 130
+    except (OSError, ValueError, NotImplementedError) as e:
+        print(f"chat: {e}", file=sys.stderr)
+        code = USAGE_ERROR
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    define_model_flags(512, "Context of the whole conversation, in tokens.", max_ctx=4096)
+    app.run(main, flags_parser=lambda argv: parse_flags(argv, "chat"))
