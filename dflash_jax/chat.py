@@ -13,11 +13,10 @@ from __future__ import annotations
 import sys
 from typing import Callable, Sequence
 
-from dflash_jax.chat_template import render
 from dflash_jax.config import EngineConfig
 from dflash_jax.engine.prefill import InputError
-from dflash_jax.generate import (USAGE_ERROR, UsageError, define_model_flags, enable_jit_cache, load_models,
-                                 parse_flags, resolve_paths)
+from dflash_jax.generate import (UsageError, define_model_flags, enable_jit_cache, load_models, parse_flags,
+                                 resolve_paths, run_main)
 from dflash_jax.tokenizer import Tokenizer
 
 PROMPT = ">>> "
@@ -37,9 +36,7 @@ class Conversation:
         self.state, self.stopped = None, False
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        tok = self.tokenizer
-        return render(messages, tok.chat_template, add_generation_prompt=generation_prompt,
-                      enable_thinking=self.thinking, bos_token=tok.bos_token, eos_token=tok.eos_token)
+        return self.tokenizer.render_chat(messages, generation_prompt, self.thinking)
 
     def _continuation(self, prompt: str) -> str | None:
         """The text to prefill after the state's tokens, or None when the state cannot be continued.
@@ -47,10 +44,12 @@ class Conversation:
         The state holds the previous prompt and the reply's tokens (the stop token that ended it still pending, to
         be dropped). The template renders that reply into history as `... content + tail` (e.g. `<|im_end|>\n`),
         then the new turn; what the state lacks is the tail and the new turn."""
+        if self.state is None:
+            return None
         content = self.messages[-2]["content"]
         history = self._render(self.messages[:-1], False)
         at = history.rfind(content)
-        if self.state is None or not content or at < 0 or not prompt.startswith(history):
+        if not content or at < 0 or not prompt.startswith(history):
             return None
         return history[at + len(content):] + prompt[len(history):]
 
@@ -60,15 +59,15 @@ class Conversation:
         tok = self.tokenizer
         self.messages.append({"role": "user", "content": text})
         prompt = self._render(self.messages, True)
-        rest = self._continuation(prompt) if self.state is not None else None
+        rest = self._continuation(prompt)
         ids = tok.encode(prompt if rest is None else rest)
         after, keep = (self.state, not self.stopped) if rest is not None else (None, True)
         previous, self.state = self.state, None  # consumed (or dropped) unless the engine refuses the turn
-        decoder, got = tok.stream(), []
+        decoder, got = tok.stream(skip_stops=True), []
 
         def stream(new: list[int]) -> None:
             got.extend(new)
-            piece = decoder.push([t for t in new if t not in tok.stop_ids])
+            piece = decoder.push(new)
             if piece:
                 on_text(piece)
 
@@ -80,13 +79,11 @@ class Conversation:
             self.state = previous
             raise
         except KeyboardInterrupt:
-            self.messages.append({"role": "assistant", "content": tok.decode([t for t in got
-                                                                             if t not in tok.stop_ids])})
+            self.messages.append({"role": "assistant", "content": tok.decode(got, skip_stops=True)})
             raise
         finally:
             on_text(decoder.flush())
-        self.messages.append({"role": "assistant", "content": tok.decode([t for t in gen.tokens
-                                                                         if t not in tok.stop_ids])})
+        self.messages.append({"role": "assistant", "content": tok.decode(gen.tokens, skip_stops=True)})
         self.state, self.stopped = gen.state, gen.stopped
         return gen, len(ids) + (1 if after is not None and keep else 0)
 
@@ -150,14 +147,7 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> None:
-    try:
-        code = run(argv)
-    except KeyboardInterrupt:
-        code = 130
-    except (OSError, ValueError, NotImplementedError) as e:
-        print(f"chat: {e}", file=sys.stderr)
-        code = USAGE_ERROR
-    sys.exit(code)
+    run_main("chat", run, argv)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ import json
 import os
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dflash_jax import assets
-from dflash_jax.chat_template import render
 from dflash_jax.config import EngineConfig
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, load_tokenizer
@@ -77,8 +76,7 @@ def prompt_tokens(tokenizer: Tokenizer, text: str, *, system: str | None = None,
     if raw:
         return tokenizer.encode(text)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return tokenizer.encode(render(messages, tokenizer.chat_template, enable_thinking=thinking,
-                                   bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token))
+    return tokenizer.encode(tokenizer.render_chat(messages, enable_thinking=thinking))
 
 
 def fit_max_ctx(requested: int, prompt_len: int, n_gen: int) -> int:
@@ -139,19 +137,18 @@ def run(argv: Sequence[str]) -> int:
         ids = prompt_tokens(tok, text, system=f.system, raw=f.raw, thinking=f.thinking)
     ecfg = dataclasses.replace(ecfg, max_ctx=fit_max_ctx(f.max_ctx, len(ids), f.n_gen))
     engine = Engine.from_loaded(models.target, models.draft, ecfg)
-    stops = tok.stop_ids
-    decoder = tok.stream()
+    decoder = tok.stream(skip_stops=True)
 
     def stream(new: list[int]) -> None:
-        text = decoder.push([t for t in new if t not in stops])
+        text = decoder.push(new)
         if text:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    gen = engine.generate(ids, f.n_gen, stops, on_tokens=None if f.json else stream)
+    gen = engine.generate(ids, f.n_gen, tok.stop_ids, on_tokens=None if f.json else stream)
     if f.json:
-        out = dict(prompt_ids=list(map(int, ids)), tokens=gen.tokens,
-                   text=tok.decode([t for t in gen.tokens if t not in stops]), mode=f.mode,
+        out = dict(prompt_ids=list(map(int, ids)), tokens=gen.tokens, text=tok.decode(gen.tokens, skip_stops=True),
+                   mode=f.mode,
                    accept_lengths=gen.accept_lengths, steps=gen.steps, mean_accept_length=gen.mean_accept_length,
                    stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
@@ -168,16 +165,25 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str]) -> None:
+def run_main(command: str, run_command: Callable[[Sequence[str]], int], argv: Sequence[str]) -> None:
+    """Run a command and exit with its code; bad input is one line on stderr and exit code 2.
+
+    Every input error of the package is a ValueError (LoadError, GGUFError, TokenizerError, TemplateError,
+    InputError, ConfigError, UsageError); OSError covers unreadable files; NotImplementedError is what loading
+    raises for a tensor type or conversion the package does not implement, which is the input's fault here."""
     try:
-        code = run(argv)
+        code = run_command(argv)
     except KeyboardInterrupt:
-        print("\ngenerate: interrupted", file=sys.stderr)
+        print(f"\n{command}: interrupted", file=sys.stderr)
         code = 130
-    except (OSError, ValueError, NotImplementedError) as e:  # every input error class is a ValueError
-        print(f"generate: {e}", file=sys.stderr)
+    except (OSError, ValueError, NotImplementedError) as e:
+        print(f"{command}: {e}", file=sys.stderr)
         code = USAGE_ERROR
     sys.exit(code)
+
+
+def main(argv: Sequence[str]) -> None:
+    run_main("generate", run, argv)
 
 
 def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0) -> None:

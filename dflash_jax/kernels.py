@@ -3,8 +3,9 @@
 Matrices: with `impl="pallas"` every Q4_K/Q5_K/Q6_K/Q8_0 matrix is repacked once at load into the qmatmul layout
 (pallas_kernels/qmatmul.py) and `linear` dispatches on that type; dense weights stay with XLA's product, which
 measured faster than the kernel's dense path (README, Kernels). Attention (pallas_kernels/tree_attention.py), the
-tree conv (pallas_kernels/tree_conv.py) and the gated delta rule (pallas_kernels/gdn.py) take `impl` as a static argument, which the models thread through
-from the loaded target. On a CPU the Pallas kernels run in interpret mode (slow; for tests).
+tree conv (pallas_kernels/tree_conv.py) and the gated delta rule (pallas_kernels/gdn.py) take `impl` as a static
+argument, which the models thread through from the loaded target. On a CPU the Pallas kernels run in interpret
+mode (slow; for tests).
 """
 
 from __future__ import annotations

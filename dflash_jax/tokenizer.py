@@ -70,7 +70,7 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.token_bytes)
 
-    @property
+    @functools.cached_property
     def stop_ids(self) -> tuple[int, ...]:
         """The ids that end a reply: the end-of-sequence token, `<|im_end|>` and `<|endoftext|>` where present."""
         ids = [self.eos_id] if self.eos_id is not None else []
@@ -81,12 +81,26 @@ class Tokenizer:
         """Token ids of text, special tokens (e.g. `<|im_start|>`) parsed; no BOS is added."""
         return self.backend.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of ids (special tokens as their text; invalid UTF-8 replaced)."""
-        return b"".join(self.token_bytes[int(i)] for i in ids).decode("utf-8", errors="replace")
+    def bytes_of(self, ids: Sequence[int], skip_stops: bool = False) -> bytes:
+        """The bytes ids stand for (special tokens as their text), without the stop tokens if skip_stops."""
+        skip = self.stop_ids if skip_stops else ()
+        return b"".join(self.token_bytes[int(i)] for i in ids if int(i) not in skip)
 
-    def stream(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def decode(self, ids: Sequence[int], skip_stops: bool = False) -> str:
+        """The text of ids (special tokens as their text; invalid UTF-8 replaced); skip_stops leaves out the
+        tokens that end a reply."""
+        return self.bytes_of(ids, skip_stops).decode("utf-8", errors="replace")
+
+    def stream(self, skip_stops: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_stops)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None) -> str:
+        """Prompt text of chat messages through this model's template (ChatML without one)."""
+        from dflash_jax.chat_template import render
+
+        return render(messages, self.chat_template, add_generation_prompt=add_generation_prompt,
+                      enable_thinking=enable_thinking, bos_token=self.bos_token, eos_token=self.eos_token)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -163,12 +177,12 @@ def _bpe_backend(tokens: list[str], merges: list[str], pattern: str, added: list
 class StreamDecoder:
     """Text of tokens as they arrive, never splitting a multi-byte UTF-8 character across two pieces."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.pending = tokenizer, b""
+    def __init__(self, tokenizer: Tokenizer, skip_stops: bool = False):
+        self.tokenizer, self.skip_stops, self.pending = tokenizer, skip_stops, b""
 
     def push(self, ids: Sequence[int]) -> str:
         """The text that ids complete (an unfinished character is kept for the next push)."""
-        data = self.pending + b"".join(self.tokenizer.token_bytes[int(i)] for i in ids)
+        data = self.pending + self.tokenizer.bytes_of(ids, self.skip_stops)
         cut = _complete_prefix(data)
         self.pending = data[cut:]
         return data[:cut].decode("utf-8", errors="replace")

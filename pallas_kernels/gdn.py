@@ -49,8 +49,8 @@ def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
     return jnp.sum(jnp.where(at, x, 0.0), axis=axis)
 
 
-def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_ref, k_ref, v_ref, g_ref, b_ref, anc_ref,
-                   s0_ref, *out_refs):
+def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_ref, k_ref, v_ref, g_ref, b_ref,
+                   anc_ref, s0_ref, *out_refs):
     o_ref, vn_ref, gm_ref = out_refs[:3]
     h, t = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(t * block_v, block_v)

@@ -12,8 +12,8 @@ heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of
 over the copy rate. Also the jnp reference under XLA.
 
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
-chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B Q4_K_M matrices a decode step reads (every matrix but
-the embedding table) over the copy rate. Also the jnp reference under XLA.
+chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B
+Q4_K_M matrices a decode step reads (every matrix but the embedding table) over the copy rate. Also the jnp reference under XLA.
 
 tree_conv: the GDN layers' causal conv + SiLU (10240 channels) of a 23-node tree over the 48 layers, for channel
 tiles of 32..256 and 1 or 4 warps, against the jnp reference under XLA.
@@ -153,7 +153,8 @@ def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 
                 print(f"  tree_attention ctx={context} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             floor = floor_bytes / copy
-            rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers, **(opts or {"tile": "default"}),
+            rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers,
+                             **(opts or {"tile": "default"}),
                              us=t * 1e6, floor_us=floor * 1e6, floor_ratio=floor / t, rel_err=err))
             print(f"  tree_attention ctx={context:6d} N={n} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
                   f"(floor {floor*1e6:7.1f} us, {floor / t:4.2f} of it)  err {err:.1e}", flush=True)
@@ -200,8 +201,9 @@ def bench_gdn(copy: float, n: int = 23) -> list[dict]:
         print(f"  {name:22s} N={n} x {layers} layers {t*1e6:8.1f} us = {t / ar_s:5.3f} of the AR step's weight "
               f"streaming ({ar_s*1e6:.0f} us)", flush=True)
     tokens64 = [{name: jnp.concatenate([a, a, a])[:64] for name, a in x.items()} for x in per_layer]
-    prefill_all = lambda fn: jax.jit(lambda xs, ssm: [fn(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i])  # noqa: E731
-                                                      for i, x in enumerate(xs)])
+    def prefill_all(fn):
+        return jax.jit(lambda xs, ssm: [fn(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i])
+                                        for i, x in enumerate(xs)])
     for name, run in (("gdn prefill chunk", prefill_all(gdn.gdn_chunked)),
                       ("XLA reference prefill", prefill_all(ref.gdn_chunked))):
         t = median_seconds(run, tokens64, ssm)

@@ -72,7 +72,8 @@ def splitk(x, w, block_n=32, cols=256, splits=4, num_warps=4, num_stages=3):
     part = pl.pallas_call(functools.partial(splitk_kernel, cols, block_n, steps),
                           out_shape=jax.ShapeDtypeStruct((splits, x.shape[0], w.shape[0]), jnp.float32),
                           grid=(w.shape[0] // block_n, splits),
-                          in_specs=[pl.BlockSpec(x.shape, lambda i, j: (0, 0)), pl.BlockSpec(w.shape, lambda i, j: (0, 0))],
+                          in_specs=[pl.BlockSpec(x.shape, lambda i, j: (0, 0)),
+                                    pl.BlockSpec(w.shape, lambda i, j: (0, 0))],
                           out_specs=pl.BlockSpec((1, x.shape[0], w.shape[0]), lambda i, j: (j, 0, 0)),
                           compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))(x, w)
     return part.sum(axis=0)

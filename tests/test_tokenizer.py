@@ -27,6 +27,8 @@ def test_reproduces_llama_cpp_ids_and_decodes_back(tok, case):
 def test_stop_ids_and_special_tokens(tok):
     assert tok.stop_ids == (1020, 1018)  # eos = <|im_end|>, then <|endoftext|>
     assert tok.encode("a<|im_end|>b") == [64, 1020, 65]
+    assert tok.decode([64, 1020, 65, 1018], skip_stops=True) == "ab"
+    assert tok.stream(skip_stops=True).push([64, 1020, 65]) == "ab" and tok.stream().push([1020]) == "<|im_end|>"
     assert tok.eos_token == "<|im_end|>" and tok.bos_token == "<|endoftext|>"
 
 
