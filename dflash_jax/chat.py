@@ -13,10 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, Sequence
 
-from dflash_jax.config import EngineConfig
 from dflash_jax.engine.prefill import InputError
-from dflash_jax.generate import (UsageError, define_model_flags, enable_jit_cache, load_models, parse_flags,
-                                 resolve_paths, run_main)
+from dflash_jax.generate import define_model_flags, engine_from_flags, parse_flags, run_main
 from dflash_jax.tokenizer import Tokenizer
 
 PROMPT = ">>> "
@@ -95,21 +93,10 @@ def _write(text: str) -> None:
 
 def run(argv: Sequence[str]) -> int:
     """The REPL; returns its exit code."""
-    from absl import flags, logging
+    from absl import flags
 
-    from dflash_jax.engine.generate import Engine
-
-    logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
-    if len(argv) > 1:
-        raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    enable_jit_cache(f.jit_cache)
-    target_path, draft_path = resolve_paths(f.target, f.draft)
-    ecfg = EngineConfig(mode=f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed, max_ctx=f.max_ctx)
-    if f.n_gen >= f.max_ctx:
-        raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
-    models = load_models(target_path, draft_path, f.mode)
-    engine = Engine.from_loaded(models.target, models.draft, ecfg)
+    engine, models, target_path = engine_from_flags(argv)
     chat = Conversation(engine, models.tokenizer, system=f.system, thinking=f.thinking, n_gen=f.n_gen)
     print(f"dflash-jax chat: {target_path} ({f.mode}); Ctrl+C stops a reply, /reset starts over, Ctrl+D quits.",
           file=sys.stderr)

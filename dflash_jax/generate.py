@@ -165,6 +165,26 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
+def engine_from_flags(argv: Sequence[str]):
+    """For the commands that serve many prompts (chat, serve): check the flags, load the pair, build the engine with
+    a fixed --max_ctx. Returns (engine, models, target path)."""
+    from absl import flags, logging
+
+    from dflash_jax.engine.generate import Engine
+
+    logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
+    f = flags.FLAGS
+    if len(argv) > 1:
+        raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    enable_jit_cache(f.jit_cache)
+    target_path, draft_path = resolve_paths(f.target, f.draft)
+    ecfg = EngineConfig(mode=f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed, max_ctx=f.max_ctx)
+    if f.n_gen >= f.max_ctx:
+        raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
+    models = load_models(target_path, draft_path, f.mode)
+    return Engine.from_loaded(models.target, models.draft, ecfg), models, target_path
+
+
 def run_main(command: str, run_command: Callable[[Sequence[str]], int], argv: Sequence[str]) -> None:
     """Run a command and exit with its code; bad input is one line on stderr and exit code 2.
 
@@ -186,8 +206,9 @@ def main(argv: Sequence[str]) -> None:
     run_main("generate", run, argv)
 
 
-def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0) -> None:
-    """The model and decoding flags that generate and chat share."""
+def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
+                       n_gen_help: str = "Tokens to generate at most (per reply).") -> None:
+    """The model and decoding flags that generate, chat and serve share."""
     from absl import flags
 
     flags.DEFINE_string("target", None, "Target: a qwen35 GGUF file or an HF directory (default: the shipped tiny "
@@ -195,7 +216,7 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0) -> None:
     flags.DEFINE_string("draft", None, "DFlash drafter: a directory with config.json and model.safetensors, or the "
                         ".safetensors file (default: the shipped tiny drafter when --target is not given).")
     flags.DEFINE_string("system", None, "System message for the chat template.")
-    flags.DEFINE_integer("n_gen", n_gen, "Tokens to generate at most (per reply).", lower_bound=1)
+    flags.DEFINE_integer("n_gen", n_gen, n_gen_help, lower_bound=min(n_gen, 1))
     flags.DEFINE_enum("mode", "ddtree", ["ar", "chain", "ddtree"], "Decoding: autoregressive, the draft's block "
                       "as a chain, or a DDTree.")
     flags.DEFINE_integer("budget", 22, "DDTree nodes besides the root.", lower_bound=1)
@@ -222,12 +243,27 @@ def define_flags() -> None:
                          "instead of streaming text.")
 
 
+def _underscored(arg: str, known) -> str:
+    """`--max-ctx=8` as `--max_ctx=8` and `--no-stats` as `--nostats`: flags may be spelled with dashes, as
+    llama.cpp and vLLM spell theirs (only names of known flags are rewritten, never values)."""
+    name, eq, value = arg[2:].partition("=")
+    flag = name.replace("-", "_")
+    if not arg.startswith("--") or "-" not in name:
+        return arg
+    if flag in known:
+        return f"--{flag}{eq}{value}"
+    if flag.startswith("no_") and flag[3:] in known:
+        return f"--no{flag[3:]}{eq}{value}"
+    return arg
+
+
 def parse_flags(argv: list[str], command: str = "generate") -> list[str]:
     """absl flag parsing with bad flags reported as one line and exit code 2 (absl's default is a usage dump)."""
     from absl import flags
 
+    end = argv.index("--") if "--" in argv else len(argv)
     try:
-        return flags.FLAGS(argv)
+        return flags.FLAGS([argv[0], *(_underscored(a, flags.FLAGS) for a in argv[1:end]), *argv[end:]])
     except flags.Error as e:
         print(f"{command}: {e}", file=sys.stderr)
         sys.exit(USAGE_ERROR)

@@ -137,6 +137,21 @@ def test_stop_token_and_n_gen_cut_a_commit_mid_path(tparams, greedy):
     assert out.tokens == ref[:11] and not out.stopped and sum(out.accept_lengths) + 1 == 11
 
 
+def test_on_tokens_can_halt_a_generation(tparams, greedy):
+    """A caller ends a run from its token callback (a stop string, a client gone): no more calls, no state."""
+    ref = greedy[3]
+    engine = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX), error_rate=0.3)
+    engine.dparams = {"sequence": jnp.zeros(MAX_CTX, jnp.int32).at[:len(prompt(3)) + N_GEN].set(
+        np.concatenate([prompt(3), ref]))}
+    calls = []
+    out = engine.generate(prompt(3), N_GEN, on_tokens=lambda new: calls.append(new) or sum(map(len, calls)) >= 5)
+    assert out.halted and out.state is None and not out.stopped
+    assert out.tokens == sum(calls, []) and len(out.tokens) >= 5 and out.tokens == ref[:len(out.tokens)]
+    assert len(calls) == next(i + 1 for i in range(len(calls)) if sum(map(len, calls[:i + 1])) >= 5)
+    out = engine.generate(prompt(3), N_GEN)  # the engine is still usable
+    assert out.tokens == ref and not out.halted and out.state is not None
+
+
 def test_bad_engine_input_is_refused_before_any_compute(tparams):
     for kwargs, message in [(dict(budget=0), "budget 0"), (dict(budget=64), "at most 64"), (dict(topk=0), "topk 0"),
                             (dict(mode="beam"), "mode 'beam'")]:

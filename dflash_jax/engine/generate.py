@@ -32,6 +32,7 @@ class Generation:
     stopped: bool  # ended at a stop token (else at n_gen)
     first_step_s: float = 0.0  # decode time until the first step's tokens were read (compiles the step once)
     state: DecodeState | None = None  # the final state: pass it as `after` to continue the same conversation
+    halted: bool = False  # on_tokens asked to stop: state is None, as the device had already run the next step
 
     @property
     def steps(self) -> int:
@@ -128,17 +129,17 @@ class Engine:
                  keep_pending: bool = True) -> Generation:
         """Greedy generation of up to n_gen tokens, ending after a stop token; on_tokens streams them.
 
-        `after` continues from a previous Generation's `state` (see `start`)."""
+        on_tokens may return True to end the generation there (a stop string, a client gone); the result then has
+        no state to continue from. `after` continues from a previous Generation's `state` (see `start`)."""
         stops = self.stop_array(stop_ids)
         t0 = time.perf_counter()
         state, first = self.start(prompt_ids, n_gen, stop_ids, after, keep_pending)
         jax.block_until_ready(state)
         t1 = time.perf_counter()
         tokens, lengths, off_spine, first_step_s = [first], [], 0, 0.0
-        if on_tokens:
-            on_tokens([first])
+        halted = bool(on_tokens and on_tokens([first]))
         stopped = first in stop_ids
-        finished = stopped or n_gen == 1
+        finished = stopped or n_gen == 1 or halted
         if not finished:
             state, current = self.step(self.tparams, self.dparams, state, stops)
         while not finished:
@@ -157,11 +158,10 @@ class Engine:
                     break
             new = new[:n_gen - len(tokens)]
             tokens.extend(new)
-            if on_tokens and new:
-                on_tokens(new)
-            finished = stopped or len(tokens) >= n_gen
+            halted = bool(on_tokens and new and on_tokens(new))
+            finished = stopped or len(tokens) >= n_gen or halted
             current = following
         jax.block_until_ready(state)
         return Generation(tokens=tokens, accept_lengths=lengths, off_spine_steps=off_spine, prefill_s=t1 - t0,
                           decode_s=time.perf_counter() - t1, stopped=stopped, first_step_s=first_step_s,
-                          state=state)
+                          state=None if halted else state, halted=halted)

@@ -1,0 +1,86 @@
+"""`python -m dflash_jax.serve`: an OpenAI- and Anthropic-compatible HTTP server over one model pair.
+
+    python -m dflash_jax.serve --target Qwen3.5-27B-Q4_K_M.gguf --draft Qwen3.5-27B-DFlash --port 8000
+
+Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/messages and
+POST /v1/messages/count_tokens, streaming as server-sent events. Requests are served one at a time (batch 1) from a
+bounded queue; a request that extends the previous one's conversation continues from its state on the device.
+Decoding is greedy: requests that ask for sampling get a 400 unless --allow_greedy_fallback. Needs the `server`
+extra (`pip install "dflash-jax[server]"`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+from dflash_jax.generate import UsageError, define_model_flags, engine_from_flags, parse_flags, run_main
+
+
+def _log(line: str) -> None:
+    print(f"serve: {line}", file=sys.stderr, flush=True)
+
+
+def model_name(target_path: str) -> str:
+    """What /v1/models lists: the target's file or directory name without a .gguf suffix."""
+    name = os.path.basename(os.path.normpath(target_path))
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def run(argv: Sequence[str]) -> int:
+    """Load the pair, compile, serve until interrupted; returns the exit code."""
+    from absl import flags
+
+    try:
+        import uvicorn
+
+        from dflash_jax.server.app import build_app
+    except ImportError as e:
+        raise UsageError(f"the server needs the 'server' extra ({e.name} is missing): pip install "
+                         "\"dflash-jax[server]\"") from None
+    from dflash_jax.server.request import Settings
+    from dflash_jax.server.worker import Worker
+
+    f = flags.FLAGS
+    engine, models, target_path = engine_from_flags(argv)
+    if f.warmup:
+        _log("compiling (one short generation)...")
+        engine.generate([0], 2)
+    settings = Settings(models.tokenizer, f.model_name or model_name(target_path), f.max_ctx,
+                        models.target.config.vocab_size, f.n_gen, f.thinking, f.allow_greedy_fallback)
+    worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None)
+    _log(f"{settings.model} ({f.mode}, context {f.max_ctx}) on http://{f.host}:{f.port}")
+    try:
+        uvicorn.run(build_app(worker, settings), host=f.host, port=f.port, log_level="info",
+                    timeout_graceful_shutdown=5)
+    finally:
+        worker.close()
+    return 0
+
+
+def main(argv: Sequence[str]) -> None:
+    run_main("serve", run, argv)
+
+
+def define_flags() -> None:
+    """The server's absl flags: the shared model flags and the HTTP ones."""
+    from absl import flags
+
+    define_model_flags(0, "Context of a request, prompt and reply together, in tokens.", max_ctx=8192,
+                       n_gen_help="max_tokens for requests that give none (0: the rest of the context).")
+    flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
+    flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
+    flags.DEFINE_string("model_name", None, "Model id that /v1/models lists and responses carry (default: the "
+                        "target's file name).")
+    flags.DEFINE_integer("max_queue", 16, "Requests that may wait while one runs; more get HTTP 429.", lower_bound=1)
+    flags.DEFINE_boolean("allow_greedy_fallback", False, "Run requests that ask for sampling (temperature > 0, "
+                         "top_p < 1, penalties) greedily instead of refusing them with HTTP 400.")
+    flags.DEFINE_boolean("warmup", True, "Compile before listening, so the first request does not wait for it.")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    define_flags()
+    app.run(main, flags_parser=lambda argv: parse_flags(argv, "serve"))

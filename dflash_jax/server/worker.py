@@ -1,0 +1,155 @@
+"""One thread owns the engine and serves queued requests one at a time, streaming text back to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from dflash_jax.engine.prefill import InputError
+from dflash_jax.server.request import GenRequest
+from dflash_jax.server.stops import StopMatcher
+from dflash_jax.tokenizer import Tokenizer
+
+
+class QueueFull(RuntimeError):
+    """Every queue slot is taken (HTTP 429)."""
+
+
+class GenerationFailed(RuntimeError):
+    """The engine raised while serving a request; `bad_input` when the request itself was at fault."""
+
+    def __init__(self, message: str, bad_input: bool = False):
+        super().__init__(message)
+        self.bad_input = bad_input
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a generation ended: `stop_token`, `stop_sequence` (which one in `matched`), `length` or `cancelled`."""
+
+    finish: str
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens not prefilled again: they extended the previous request's state
+    matched: str | None = None
+    error: GenerationFailed | None = None
+
+
+class Job:
+    """A request in flight: the worker thread sends text and the outcome; the event loop reads them."""
+
+    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop):
+        self.request, self._loop = request, loop
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self.outcome: Outcome | None = None
+
+    def cancel(self) -> None:
+        """Stop generating (the client is gone): the worker drops the job or halts it after the current step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def put(self, item: str | Outcome) -> None:
+        """From the worker thread: a piece of text, or the outcome that ends the job."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (the server is shutting down): nobody is listening
+            self.cancel()
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The generated text as it commits; then `outcome` is set (GenerationFailed if the engine failed)."""
+        while True:
+            item = await self._events.get()
+            if isinstance(item, Outcome):
+                self.outcome = item
+                if item.error is not None:
+                    raise item.error
+                return
+            yield item
+
+
+class Worker:
+    """The engine's only user: a bounded queue of jobs, and the state of the last conversation for prefix reuse."""
+
+    def __init__(self, engine, tokenizer: Tokenizer, max_queue: int, log: Callable[[str], None] = lambda _: None):
+        self.engine, self.tokenizer, self.log = engine, tokenizer, log
+        self._queue: queue.Queue = queue.Queue(max_queue)
+        self._cache: tuple[list[int], object] | None = None  # (ids the state holds, the last one pending; state)
+        self._thread = threading.Thread(target=self._serve, name="dflash-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, request: GenRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue a request; QueueFull when every slot is taken."""
+        job = Job(request, loop)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"the server is busy: {self._queue.maxsize} requests are already waiting") from None
+        return job
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Let the thread finish its current job and stop."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if job.cancelled:
+                continue
+            try:
+                outcome = self._run(job)
+            except Exception as e:  # the thread must outlive any request
+                self._cache = None
+                failed = GenerationFailed(f"{type(e).__name__}: {e}", bad_input=isinstance(e, InputError))
+                outcome = Outcome("error", 0, 0, error=failed)
+                self.log(f"request failed: {failed}")
+            job.put(outcome)
+
+    def _reuse(self, ids: list[int]):
+        """(state to continue, ids still to prefill, prompt tokens reused): the previous request's state when this
+        prompt extends everything it holds; the cache is emptied either way (consumed, or freed before a new one)."""
+        cached, self._cache = self._cache, None
+        if cached is not None and len(ids) > len(cached[0]) and ids[:len(cached[0])] == cached[0]:
+            return cached[1], ids[len(cached[0]):], len(cached[0]) - 1
+        return None, ids, 0
+
+    def _run(self, job: Job) -> Outcome:
+        request, tok = job.request, self.tokenizer
+        after, rest, reused = self._reuse(request.ids)
+        decoder, matcher = tok.stream(skip_stops=True), StopMatcher(request.stops)
+
+        def on_tokens(new: list[int]) -> bool:
+            if job.cancelled:
+                return True
+            text = matcher.push(decoder.push(new))
+            if text:
+                job.put(text)
+            return matcher.matched is not None
+
+        t0 = time.perf_counter()
+        gen = self.engine.generate(rest, request.max_tokens, tok.stop_ids, on_tokens, after=after)
+        if not gen.halted:
+            tail = matcher.push(decoder.flush()) + matcher.flush()
+            if tail:
+                job.put(tail)
+        if gen.state is not None:
+            self._cache = (request.ids + gen.tokens, gen.state)
+        finish = ("cancelled" if job.cancelled else "stop_sequence" if matcher.matched is not None
+                  else "stop_token" if gen.stopped else "length")
+        self.log(f"{len(request.ids)} prompt tokens ({reused} reused, {len(request.ids) - reused} prefilled in {gen.prefill_s:.2f} s) "
+                 f"+ {len(gen.tokens)} generated in {time.perf_counter() - t0 - gen.prefill_s:.2f} s, acceptance "
+                 f"length {gen.mean_accept_length:.2f}, {gen.decode_tokens_per_s:.1f} tok/s; {finish}")
+        return Outcome(finish, len(gen.tokens), reused, matcher.matched)
