@@ -13,7 +13,6 @@ replaces it.)
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -21,16 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gguf import GGUFValueType as VT  # noqa: E402
-
-from dflash_jax.chat_template import CHATML  # noqa: E402
+from dflash_jax.models.draft import write_draft_dir  # noqa: E402
 from dflash_jax.testing.gguf_writer import write_gguf  # noqa: E402
 from dflash_jax.testing.tiny import (random_draft_tensors, random_gguf_tensors, tiny_draft_config,  # noqa: E402
-                                     tiny_target_config, write_draft_dir)
-from dflash_jax.tokenizer import PRE_TOKENIZERS  # noqa: E402
+                                     tiny_target_config)
+from dflash_jax.training.bpe import gguf_metadata, train_bpe  # noqa: E402
 
 VOCAB = 512
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>"]  # the last ids
 CORPUS = '''
 def fibonacci(n: int) -> int:
     """Return the n-th Fibonacci number."""
@@ -81,49 +77,13 @@ A language model predicts the next token; a draft model proposes several tokens 
 '''
 
 
-def train_tokenizer() -> tuple[list[str], list[str]]:
-    """(tokens in id order, merges "a b") of a byte-level BPE trained on CORPUS, special tokens appended."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_TOKENIZERS["qwen35"]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - len(SPECIAL), min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([CORPUS], trainer)
-    vocab = tok.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    if len(tokens) != VOCAB - len(SPECIAL):
-        raise RuntimeError(f"the corpus gave {len(tokens)} tokens, expected {VOCAB - len(SPECIAL)}")
-    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
-    return tokens + SPECIAL, merges
-
-
-def tokenizer_metadata(tokens: list[str], merges: list[str]) -> list[tuple]:
-    ids = {t: i for i, t in enumerate(tokens)}
-    return [
-        ("tokenizer.ggml.model", "gpt2", VT.STRING, None),
-        ("tokenizer.ggml.pre", "qwen35", VT.STRING, None),
-        ("tokenizer.ggml.tokens", tokens, VT.ARRAY, VT.STRING),
-        ("tokenizer.ggml.token_type", [3 if t in SPECIAL else 1 for t in tokens], VT.ARRAY, VT.INT32),
-        ("tokenizer.ggml.merges", merges, VT.ARRAY, VT.STRING),
-        ("tokenizer.ggml.eos_token_id", ids["<|im_end|>"], VT.UINT32, None),
-        ("tokenizer.ggml.padding_token_id", ids["<|endoftext|>"], VT.UINT32, None),
-        ("tokenizer.ggml.bos_token_id", ids["<|endoftext|>"], VT.UINT32, None),
-        ("tokenizer.ggml.add_bos_token", False, VT.BOOL, None),
-        ("tokenizer.chat_template", CHATML, VT.STRING, None),
-    ]
-
-
 def make(out: Path, seed: int) -> None:
     """Write target.gguf and draft/ under out."""
     logging.getLogger("gguf").setLevel(logging.WARNING)
-    tokens, merges = train_tokenizer()
+    tokens, merges = train_bpe([CORPUS], VOCAB)
     cfg = tiny_target_config(num_layers=4, vocab_size=len(tokens))
     out.mkdir(parents=True, exist_ok=True)
-    write_gguf(out / "target.gguf", random_gguf_tensors(cfg, seed), cfg, metadata=tokenizer_metadata(tokens, merges),
+    write_gguf(out / "target.gguf", random_gguf_tensors(cfg, seed), cfg, metadata=gguf_metadata(tokens, merges),
                name=f"dflash-jax default tiny target (random, seed {seed})")
     dcfg = tiny_draft_config(cfg, block_size=8)
     write_draft_dir(out / "draft", dcfg, random_draft_tensors(dcfg, seed))

@@ -10,6 +10,7 @@ The block is embedded with the target's embedding and read out through the targe
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Mapping
 
 import jax
@@ -55,6 +56,30 @@ def params_from_tensors(cfg: DraftConfig, tensors: Mapping[str, QTensor | np.nda
     params["layers"] = tuple({short: tensors[f"layers.{n}.{name}"] for name, short in LAYER_PARAMS.items()}
                              for n in range(cfg.num_layers))
     return params
+
+
+def tensors_from_params(params: dict) -> dict[str, np.ndarray]:
+    """Tensors by z-lab name from the parameter pytree (inverse of params_from_tensors), as numpy arrays."""
+    tensors = {name: np.asarray(params[short]) for name, short in GLOBAL_PARAMS.items()}
+    for n, layer in enumerate(params["layers"]):
+        tensors.update({f"layers.{n}.{name}": np.asarray(layer[short]) for name, short in LAYER_PARAMS.items()})
+    return tensors
+
+
+def write_draft_dir(path: str | os.PathLike, cfg: DraftConfig, tensors: Mapping[str, np.ndarray]) -> None:
+    """Save a drafter in the z-lab layout: config.json and bf16 model.safetensors (tensor names sorted)."""
+    import json
+
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from dflash_jax.config import draft_config_to_hf
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(draft_config_to_hf(cfg), f, indent=2)
+    save_file({k: np.asarray(tensors[k]).astype(ml_dtypes.bfloat16) for k in sorted(tensors)},
+              os.path.join(path, "model.safetensors"))
 
 
 def check_pair(draft: DraftConfig, target: TargetConfig, where: str = "drafter") -> None:

@@ -168,22 +168,6 @@ def tiny_draft_config(target: TargetConfig, layer_types: tuple[str, ...] = ("ful
         num_target_layers=target.num_layers, max_position_embeddings=target.max_position_embeddings)
 
 
-def write_draft_dir(path: str | os.PathLike, cfg, tensors: dict[str, np.ndarray]) -> None:
-    """Save a drafter in the z-lab layout: config.json and bf16 model.safetensors (tensor names sorted)."""
-    import json
-
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    from dflash_jax.config import draft_config_to_hf
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(draft_config_to_hf(cfg), f, indent=2)
-    save_file({k: np.asarray(tensors[k]).astype(ml_dtypes.bfloat16) for k in sorted(tensors)},
-              os.path.join(path, "model.safetensors"))
-
-
 def random_draft_tensors(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded random float32 drafter weights by z-lab name (norms around 1)."""
     from dflash_jax.models.draft import tensor_shapes
