@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp): contractions, letters (with combining marks for qwen35)
 # after one optional non-letter, single digits, punctuation runs with trailing newlines, newline runs, whitespace.
@@ -108,27 +108,33 @@ class Tokenizer:
         from dflash_jax.gguf import open_metadata
 
         meta = open_metadata(os.fspath(path))
-        model = meta.value("tokenizer.ggml.model", None)
+        return cls.from_metadata(meta.value, os.fspath(path))
+
+    @classmethod
+    def from_metadata(cls, value: Callable[..., Any], where: str) -> "Tokenizer":
+        """The tokenizer of GGUF `tokenizer.*` metadata, read by value(key[, default]) (a missing key without a
+        default raises); `where` names the source in errors."""
+        model = value("tokenizer.ggml.model", None)
         if model is None:
-            raise TokenizerError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model is missing)")
+            raise TokenizerError(f"{where}: no tokenizer in the GGUF metadata (tokenizer.ggml.model is missing)")
         if model != "gpt2":
-            raise TokenizerError(f"{path}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
-        pre = meta.value("tokenizer.ggml.pre", "qwen2")
+            raise TokenizerError(f"{where}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+        pre = value("tokenizer.ggml.pre", "qwen2")
         if pre not in PRE_TOKENIZERS:
-            raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported ({', '.join(PRE_TOKENIZERS)})")
-        tokens = meta.value("tokenizer.ggml.tokens")
-        types = meta.value("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = meta.value("tokenizer.ggml.merges", [])
+            raise TokenizerError(f"{where}: pre-tokenizer {pre!r} is not supported ({', '.join(PRE_TOKENIZERS)})")
+        tokens = value("tokenizer.ggml.tokens")
+        types = value("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = value("tokenizer.ggml.merges", [])
         if len(types) != len(tokens):
-            raise TokenizerError(f"{path}: {len(types)} token types for {len(tokens)} tokens")
-        eos = meta.value("tokenizer.ggml.eos_token_id", None)
-        bos = meta.value("tokenizer.ggml.bos_token_id", None)
+            raise TokenizerError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+        eos = value("tokenizer.ggml.eos_token_id", None)
+        bos = value("tokenizer.ggml.bos_token_id", None)
         special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)}
         backend = _bpe_backend(tokens, merges, PRE_TOKENIZERS[pre],
                                [(t, types[i] == CONTROL) for t, i in special.items()])
         token_bytes = [t.encode("utf-8") if t in special else _byte_level_bytes(t) for t in tokens]
         return cls(backend, token_bytes, special, None if eos is None else int(eos),
-                   meta.value("tokenizer.chat_template", None),
+                   value("tokenizer.chat_template", None),
                    None if bos is None or not 0 <= int(bos) < len(tokens) else tokens[int(bos)])
 
     @classmethod

@@ -68,7 +68,7 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
         decay = jnp.where(anc, jnp.exp(jnp.where(anc, diff, 0.0)), 0.0)
         dot = functools.partial(_dot, precision=precision)
         a = beta[:, None] * dot(k, k, tb=True) * jnp.where(eye, 0.0, decay)
-        tinv = ref.unit_lower_inverse(a, dot)
+        tinv = ref.unit_lower_inverse(a)
         eg = jnp.exp(gamma)
         u = dot(tinv, beta[:, None] * v)
         w = dot(tinv, (beta * eg)[:, None] * k)

@@ -11,6 +11,7 @@ from pallas_kernels import reference as ref
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
+TOL = 1e-5 if INTERPRET else 2e-3  # compiled on a GPU the kernels multiply in TF32 (measured 3e-4 to 6e-4)
 
 
 def rel(a, b):
@@ -42,14 +43,14 @@ def test_tree_kernel_matches_reference(n):
     anc = random_anc(n, n)
     got, want = gdn.gdn_tree(*x, anc, interpret=INTERPRET), ref.gdn_block(*x, anc)
     for name, a, b in zip(("o", "v_new", "gamma"), got, want):
-        assert a.shape == b.shape and rel(a, b) < 1e-5, name
+        assert a.shape == b.shape and rel(a, b) < TOL, name
 
 
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 130])
 def test_chunked_kernel_matches_reference(t):
     x = inputs(t, t, 2, 16, 32)
     (o, s), (o_ref, s_ref) = gdn.gdn_chunked(*x, interpret=INTERPRET), ref.gdn_chunked(*x)
-    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert rel(o, o_ref) < TOL and rel(s, s_ref) < TOL
 
 
 @pytest.mark.parametrize("n,leaf", [(1, 0), (23, 22), (23, 7)])
@@ -65,6 +66,20 @@ def test_commit_kernel_matches_reference_for_every_layer(n, leaf):
     got = gdn.gdn_commit(jnp.stack(s0), jnp.stack(ks), jnp.stack(vs), jnp.stack(gs), anc[leaf], jnp.int32(leaf),
                          interpret=INTERPRET)
     assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_aligned_keys_stay_exact(sign):
+    """64 tokens with one key (or alternating +-k), beta 0.95, slow decay: what a repeated token does in real text.
+    The chunked reference and kernel must follow the token recurrence (a power-series inverse was off by 1e10)."""
+    q, k, v, g, beta, s0 = inputs(7, 64, 2, 16, 32)
+    k = jnp.broadcast_to(k[:1], k.shape) * jnp.asarray([sign ** i for i in range(64)], jnp.float32)[:, None, None]
+    g, beta = jnp.full_like(g, -0.01), jnp.full_like(beta, 0.95)
+    o_rec, s_rec = ref.gdn_recurrent(q, k, v, g, beta, s0)
+    o_ref, s_ref = ref.gdn_chunked(q, k, v, g, beta, s0)
+    o, s = gdn.gdn_chunked(q, k, v, g, beta, s0, interpret=INTERPRET)
+    assert rel(o_ref, o_rec) < 1e-5 and rel(s_ref, s_rec) < 1e-5
+    assert rel(o, o_rec) < TOL and rel(s, s_rec) < TOL
 
 
 def test_bad_block_raises():

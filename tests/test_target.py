@@ -150,8 +150,18 @@ def test_tree_block_masks_and_depths():
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 23, 64])
-def test_unit_lower_inverse_by_matmuls(n):
+def test_unit_lower_inverse(n):
     a = np.tril(np.random.default_rng(n).normal(0.0, 0.5, (2, n, n)), -1).astype(np.float32)
     got = np.asarray(ref.unit_lower_inverse(jnp.asarray(a)))
     want = np.linalg.inv(np.eye(n) + a.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_unit_lower_inverse_when_keys_align(sign):
+    """A run of one repeated key (or its negation, alternating) with beta 0.95 gives a = 0.95 (+-1)^(i+j) below the
+    diagonal: the inverse is bounded by 1, which a power series (the first implementation) got wrong by 4e9."""
+    k = np.array([sign ** i for i in range(64)], np.float64)
+    a = np.tril(0.95 * np.outer(k, k), -1)
+    got = np.asarray(ref.unit_lower_inverse(jnp.asarray(a, jnp.float32)))
+    np.testing.assert_allclose(got, np.linalg.inv(np.eye(64) + a), rtol=1e-5, atol=1e-5)

@@ -52,3 +52,17 @@ def gguf_metadata(tokens: list[str], merges: list[str], chat_template: str = CHA
         ("tokenizer.ggml.add_bos_token", False, VT.BOOL, None),
         ("tokenizer.chat_template", chat_template, VT.STRING, None),
     ]
+
+
+def bpe_tokenizer(tokens: list[str], merges: list[str], chat_template: str = CHATML):
+    """The `Tokenizer` a GGUF with this BPE's metadata gives, without writing the file."""
+    from dflash_jax.tokenizer import Tokenizer, TokenizerError
+
+    fields = {key: value for key, value, _, _ in gguf_metadata(tokens, merges, chat_template)}
+
+    def value(key, default=...):
+        if key not in fields and default is ...:
+            raise TokenizerError(f"missing {key}")
+        return fields.get(key, default)
+
+    return Tokenizer.from_metadata(value, "the trained BPE")

@@ -1,0 +1,196 @@
+"""Train the tiny model pair of issue 8 from a seed: a Python-code corpus from the machine, a byte-level BPE, a
+Qwen3.5-architecture target trained from scratch, written as a Q4_K_M GGUF with its tokenizer.
+
+    python scripts/train_tiny_pair.py --out runs/tiny [--stage corpus|target|all] [--target_steps 3000]
+
+Stages keep their outputs in --out and are skipped when those exist; training checkpoints and resumes, so a run cut
+short (a time limit) continues where it stopped when started again. The drafter stage (training it with
+`python -m dflash_jax.train_draft`'s trainer, then measuring acceptance) is not part of this script yet: `--stage
+draft` says so.
+
+corpus: every .py file under --roots (default: this Python's standard library and site-packages), in sorted order,
+deduplicated, at most --max_mb; a hash of each path holds out --held_out of the files. The list with each file's
+sha256 goes to corpus.json. A BPE of --vocab tokens is trained on the training files (tokenizer.json), and both
+splits are tokenized into one stream each (train_ids.npy, test_ids.npy; documents end with <|endoftext|>).
+
+target: --target_steps of next-token training (AdamW 3e-3 by default, cosine) on --seq_len sequences, then
+target.gguf (Q4_K_M types, the BPE and a ChatML template in its metadata) and target_report.json: held-out loss and
+greedy completions of a few code prompts through the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_jax.training import data  # noqa: E402
+from dflash_jax.training.bpe import bpe_tokenizer, gguf_metadata, train_bpe  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self):\n",
+           "    for i in range(len("]
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def default_roots() -> list[str]:
+    paths = sysconfig.get_paths()
+    return sorted({paths["stdlib"], paths["purelib"]})
+
+
+def corpus_stage(out: Path, roots: list[str], held_out: float, max_mb: float, vocab: int) -> None:
+    """corpus.json, tokenizer.json, train_ids.npy and test_ids.npy."""
+    t0 = time.perf_counter()
+    files = data.list_files(roots, (".py",))
+    docs, total = [], 0
+    for name, text in data.dedupe(data.read_documents(files)):
+        if total + len(text) > max_mb * 1e6:
+            break
+        docs.append((name, text))
+        total += len(text)
+    if not docs:
+        raise SystemExit(f"no .py files under {roots}")
+    split = [data.held_out(name, held_out) for name, _ in docs]
+    (out / "corpus.json").write_text(json.dumps({
+        "roots": roots, "held_out": held_out, "max_mb": max_mb, "bytes": total,
+        "files": [[name, hashlib.sha256(text.encode()).hexdigest()[:16], test]
+                  for (name, text), test in zip(docs, split)]}, indent=0))
+    log(f"corpus: {len(docs)} files, {total / 1e6:.1f} MB ({sum(split)} held out) in {time.perf_counter() - t0:.0f} s")
+    train_texts = [text for (_, text), test in zip(docs, split) if not test]
+    tokens, merges = train_bpe(train_texts, vocab)
+    (out / "tokenizer.json").write_text(json.dumps({"tokens": tokens, "merges": merges}))
+    tok = bpe_tokenizer(tokens, merges)
+    sep = tok.special["<|endoftext|>"]
+    for name, want in (("train", False), ("test", True)):
+        encoded = tok.backend.encode_batch([text for (_, text), test in zip(docs, split) if test == want],
+                                           add_special_tokens=False)
+        stream = np.fromiter((i for e in encoded for i in (*e.ids, sep)), np.int32)
+        np.save(out / f"{name}_ids.npy", stream)
+        log(f"{name}: {len(stream):,} tokens")
+    log(f"tokenizer: {len(tokens)} tokens; corpus stage {time.perf_counter() - t0:.0f} s")
+
+
+def target_config(args):
+    from dflash_jax.testing.tiny import tiny_target_config
+
+    heads = args.hidden // 64
+    return tiny_target_config(num_layers=args.layers, interval=4, vocab_size=args.vocab, hidden_size=args.hidden,
+                              intermediate_size=args.ffn, num_heads=heads, num_kv_heads=max(1, heads // 4),
+                              head_dim=64, rope_dim=16, linear_num_key_heads=max(1, heads // 2),
+                              linear_num_value_heads=heads, linear_key_head_dim=64, linear_value_head_dim=64,
+                              tie_word_embeddings=args.tie, max_position_embeddings=4096)
+
+
+def target_stage(out: Path, args) -> None:
+    """target.gguf and target_report.json, training from (or resuming) target_checkpoint.npz."""
+    import jax
+
+    from dflash_jax.chat_template import CHATML
+    from dflash_jax.config import EngineConfig
+    from dflash_jax.engine.generate import Engine
+    from dflash_jax.testing.gguf_writer import write_gguf
+    from dflash_jax.training import checkpoint
+    from dflash_jax.training.loop import TrainConfig
+    from dflash_jax.training.target_lm import target_trainer, tensors_to_write, to_engine
+
+    cfg = target_config(args)
+    vocab = json.loads((out / "tokenizer.json").read_text())
+    tok = bpe_tokenizer(vocab["tokens"], vocab["merges"])
+    if tok.vocab_size != cfg.vocab_size:
+        raise SystemExit(f"tokenizer.json has {tok.vocab_size} tokens, --vocab is {cfg.vocab_size}")
+    train = np.load(out / "train_ids.npy")
+    test = np.load(out / "test_ids.npy")
+    n = len(train) // args.seq_len
+    train_rows = train[:n * args.seq_len].reshape(n, args.seq_len)
+    m = min(len(test) // args.seq_len, 64)
+    test_rows = test[:m * args.seq_len].reshape(m, args.seq_len)
+    tc = TrainConfig(steps=args.target_steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=0.02,
+                     seed=args.seed)
+    trainer = target_trainer(cfg, tc)
+    params, opt_state = trainer.init()
+    meta = {"train": {**tc.__dict__, "steps": None}, "config": [args.hidden, args.layers, args.ffn, args.vocab,
+                                                                  args.tie]}
+    ckpt, start, history = out / "target_checkpoint.npz", 0, []
+    if ckpt.exists():
+        (params, opt_state), saved = checkpoint.load(str(ckpt), (params, opt_state))
+        if {k: saved[k] for k in meta} != meta:
+            raise SystemExit(f"{ckpt} was written with other settings")
+        start, history = saved["step"], saved["history"]
+        log(f"target: resuming from step {start}")
+    log(f"target: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M parameters, {len(train_rows)} train "
+        f"sequences of {args.seq_len}, {tc.steps} steps of {tc.batch}, on {jax.default_backend()}")
+    deadline = time.monotonic() + args.time_limit if args.time_limit else None
+
+    def save(step, params, opt_state):
+        checkpoint.save(str(ckpt), (params, opt_state), {**meta, "step": step, "history": history})
+        if deadline and time.monotonic() > deadline and step < tc.steps:
+            raise TimeoutError(step)
+
+    try:
+        params, _ = trainer.run(params, opt_state, data.batches(train_rows, tc.batch, tc.seed, start), start, log=log,
+                                every=args.log_every, on_checkpoint=save, save_every=args.save_every,
+                                held_out=test_rows, eval_every=args.eval_every, history=history)
+    except TimeoutError as stop:
+        log(f"target: stopped at step {stop.args[0]} (--time_limit); run again to continue")
+        return
+    evaluation = trainer.evaluate(params, test_rows)
+    write_gguf(out / "target.gguf", tensors_to_write(params, cfg), cfg,
+               metadata=gguf_metadata(vocab["tokens"], vocab["merges"], CHATML),
+               name=f"dflash-jax tiny code target (seed {args.seed})")
+    engine = Engine(cfg, to_engine(params), EngineConfig(mode="ar", max_ctx=256))
+    completions = {p: tok.decode(engine.generate(tok.encode(p), 48, tok.stop_ids).tokens) for p in PROMPTS}
+    report = {"held_out": evaluation, "history": history, "completions": completions,
+              "gguf_bytes": os.path.getsize(out / "target.gguf"), "backend": jax.default_backend()}
+    (out / "target_report.json").write_text(json.dumps(report, indent=1))
+    log(f"target: held-out loss {evaluation['loss']:.3f}, accuracy {evaluation['acc']:.3f}; target.gguf "
+        f"{report['gguf_bytes'] / 1e6:.1f} MB")
+    for p, c in completions.items():
+        log(f"--- {p!r}\n{p}{c}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--stage", choices=["corpus", "target", "draft", "all"], default="all")
+    ap.add_argument("--roots", nargs="+", default=None, help="directories to take .py files from")
+    ap.add_argument("--held_out", type=float, default=0.02)
+    ap.add_argument("--max_mb", type=float, default=200.0)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--tie", action="store_true", help="tie the output head to the embedding")
+    ap.add_argument("--seq_len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--target_steps", type=int, default=3000)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log_every", type=int, default=100)
+    ap.add_argument("--eval_every", type=int, default=1000)
+    ap.add_argument("--save_every", type=int, default=250)
+    ap.add_argument("--time_limit", type=float, default=0, help="seconds; stop at the next checkpoint after it")
+    args = ap.parse_args()
+    if args.stage == "draft":
+        raise SystemExit("the drafter stage is not implemented in this script yet: train one with "
+                         "python -m dflash_jax.train_draft --target OUT/target.gguf --data ...")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage in ("corpus", "all") and not (args.out / "test_ids.npy").exists():
+        corpus_stage(args.out, args.roots or default_roots(), args.held_out, args.max_mb, args.vocab)
+    if args.stage in ("target", "all") and not (args.out / "target_report.json").exists():
+        target_stage(args.out, args)
+
+
+if __name__ == "__main__":
+    main()
