@@ -78,3 +78,25 @@ def test_gguf_without_tokenizer(tiny_gguf_path, tmp_path):
     rewrite_gguf(tiny_gguf_path, path, drop_keys=["tokenizer.ggml.model"])
     with pytest.raises(TokenizerError, match="no tokenizer in the GGUF metadata"):
         Tokenizer.from_gguf(path)
+
+
+def test_a_trained_bpe_reads_back_as_the_gguf_written_with_it():
+    """training.bpe: the shipped default target's tokenizer was trained by it; retraining on the same text gives a
+    tokenizer that encodes like the one read from the file, special tokens last and parsed whole."""
+    import sys
+
+    from conftest import ROOT
+    from dflash_jax import assets
+    from dflash_jax.training.bpe import SPECIAL, bpe_tokenizer, train_bpe
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_default_model import CORPUS, VOCAB
+
+    tokens, merges = train_bpe([CORPUS], VOCAB)
+    trained, shipped = bpe_tokenizer(tokens, merges), Tokenizer.from_gguf(assets.DEFAULT_TARGET)
+    assert tokens[-len(SPECIAL):] == list(SPECIAL) and trained.vocab_size == shipped.vocab_size == VOCAB
+    text = 'def f(x):\n    return x + 1  # héllo, 世界 <|im_end|>\n<|mask|>'
+    assert trained.encode(text) == shipped.encode(text) and trained.decode(trained.encode(text)) == text
+    assert trained.stop_ids == shipped.stop_ids and trained.special["<|mask|>"] == VOCAB - 1
+    with pytest.raises(ValueError, match="too little text"):
+        train_bpe(["a b"], 4096)
