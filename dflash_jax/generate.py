@@ -189,14 +189,14 @@ def run_main(command: str, run_command: Callable[[Sequence[str]], int], argv: Se
     """Run a command and exit with its code; bad input is one line on stderr and exit code 2.
 
     Every input error of the package is a ValueError (LoadError, GGUFError, TokenizerError, TemplateError,
-    InputError, ConfigError, UsageError); OSError covers unreadable files; NotImplementedError is what loading
-    raises for a tensor type or conversion the package does not implement, which is the input's fault here."""
+    InputError, ConfigError, UsageError, and quant.Unsupported for a tensor type or conversion the package does
+    not implement); OSError covers unreadable files."""
     try:
         code = run_command(argv)
     except KeyboardInterrupt:
         print(f"\n{command}: interrupted", file=sys.stderr)
         code = 130
-    except (OSError, ValueError, NotImplementedError) as e:
+    except (OSError, ValueError) as e:
         print(f"{command}: {e}", file=sys.stderr)
         code = USAGE_ERROR
     sys.exit(code)

@@ -60,12 +60,17 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
 SUPPORTED_TYPES = frozenset(f.ggml_type for f in FORMATS.values())
 
 
+class Unsupported(NotImplementedError, ValueError):
+    """Input that is valid but beyond what the package implements (a tensor type, a conversion): a
+    NotImplementedError by nature, and a ValueError so that the commands report it as bad input, like the rest."""
+
+
 def block_format(ggml_type: GT | int) -> BlockFormat:
-    """The BlockFormat of a GGUF tensor type, or NotImplementedError naming the type."""
+    """The BlockFormat of a GGUF tensor type, or Unsupported naming the type."""
     ggml_type = GT(ggml_type)
     if ggml_type not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-        raise NotImplementedError(f"tensor type {ggml_type.name} is not supported (supported: {supported})")
+        raise Unsupported(f"tensor type {ggml_type.name} is not supported (supported: {supported})")
     return FORMATS[ggml_type.name]
 
 

@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
         t1 = time.perf_counter()
         result = score(model, ids, chunk=f.chunk)
         t2 = time.perf_counter()
-    except (OSError, ValueError, NotImplementedError) as e:  # NotImplementedError: a tensor type we cannot decode
+    except (OSError, ValueError) as e:  # input errors, quant.Unsupported (a tensor type we cannot decode) included
         print(f"score: {e}", file=sys.stderr)
         return 2
     if f.out:

@@ -35,12 +35,10 @@ def load_corpus(paths: Sequence[str], tokenizer, seq_len: int, held_out: float) 
     if not docs:
         raise UsageError(f"no text found in {', '.join(paths)}")
     separator = tokenizer.special.get("<|endoftext|>", tokenizer.eos_id)
-    split = {False: [], True: []}
-    for name, text in docs:
-        split[data.held_out(name, held_out)].append(tokenizer.encode(text))
-    train = data.pack(split[False], seq_len, separator)
-    test = data.pack(split[True], seq_len, separator) if held_out and split[True] and \
-        sum(map(len, split[True])) >= seq_len else train[:0]
+    train_docs, test_docs = data.split(docs, held_out)
+    train = data.pack([tokenizer.encode(text) for _, text in train_docs], seq_len, separator)
+    test_ids = [tokenizer.encode(text) for _, text in test_docs]
+    test = data.pack(test_ids, seq_len, separator) if sum(map(len, test_ids)) >= seq_len else train[:0]
     _log(f"data: {len(docs)} documents, {len(train)} train and {len(test)} held-out sequences of {seq_len} tokens")
     return train, test
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.gguf import tensor_specs
+from dflash_jax.quant import Unsupported
 
 
 class WeightsError(ValueError):
@@ -47,7 +48,7 @@ def _identity(x: np.ndarray) -> np.ndarray:
 def _rules(cfg: TargetConfig) -> dict[str, _Rule]:
     """GGUF name -> (HF name, transform, inverse) for every tensor of the config."""
     if cfg.num_mtp_layers > 1:
-        raise NotImplementedError(f"HF conversion of {cfg.num_mtp_layers} MTP layers (HF checkpoints carry one)")
+        raise Unsupported(f"HF conversion of {cfg.num_mtp_layers} MTP layers (HF checkpoints carry one)")
     nk, nv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
     perm = tiled_value_order(nk, nv)
     inv = np.argsort(perm)

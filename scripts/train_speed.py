@@ -21,18 +21,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import environment  # noqa: E402
 
-from dflash_jax.testing.tiny import tiny_target_config  # noqa: E402
 from dflash_jax.training.draft_trainer import BlockConfig, draft_config_for, draft_trainer  # noqa: E402
 from dflash_jax.training.loop import TrainConfig  # noqa: E402
-from dflash_jax.training.target_lm import target_trainer, to_engine  # noqa: E402
-
-
-def target_config(hidden: int, layers: int, vocab: int):
-    heads = hidden // 64
-    return tiny_target_config(num_layers=layers, interval=4, vocab_size=vocab, hidden_size=hidden,
-                              intermediate_size=3 * hidden, num_heads=heads, num_kv_heads=max(1, heads // 4),
-                              head_dim=64, rope_dim=16, linear_num_key_heads=max(1, heads // 2),
-                              linear_num_value_heads=heads, linear_key_head_dim=64, linear_value_head_dim=64)
+from dflash_jax.training.target_lm import code_target_config, target_trainer, to_engine  # noqa: E402
 
 
 def timed(trainer, data, steps: int) -> dict:
@@ -65,7 +56,7 @@ def main() -> None:
     ap.add_argument("--draft_layers", type=int, default=2)
     ap.add_argument("--anchors", type=int, default=64)
     args = ap.parse_args()
-    cfg = target_config(args.hidden, args.layers, args.vocab)
+    cfg = code_target_config(args.hidden, args.layers, args.vocab, 3 * args.hidden)
     rows = []
     for batch in args.batch:
         data = np.random.default_rng(0).integers(0, args.vocab, (4, batch, args.seq_len)).astype(np.int32)

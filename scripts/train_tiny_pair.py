@@ -62,35 +62,24 @@ def corpus_stage(out: Path, roots: list[str], held_out: float, max_mb: float, vo
         total += len(text)
     if not docs:
         raise SystemExit(f"no .py files under {roots}")
-    split = [data.held_out(name, held_out) for name, _ in docs]
+    train_docs, test_docs = data.split(docs, held_out)
+    held = {name for name, _ in test_docs}
     (out / "corpus.json").write_text(json.dumps({
         "roots": roots, "held_out": held_out, "max_mb": max_mb, "bytes": total,
-        "files": [[name, hashlib.sha256(text.encode()).hexdigest()[:16], test]
-                  for (name, text), test in zip(docs, split)]}, indent=0))
-    log(f"corpus: {len(docs)} files, {total / 1e6:.1f} MB ({sum(split)} held out) in {time.perf_counter() - t0:.0f} s")
-    train_texts = [text for (_, text), test in zip(docs, split) if not test]
-    tokens, merges = train_bpe(train_texts, vocab)
+        "files": [[name, hashlib.sha256(text.encode()).hexdigest()[:16], name in held]
+                  for name, text in docs]}, indent=0))
+    log(f"corpus: {len(docs)} files, {total / 1e6:.1f} MB ({len(test_docs)} held out) in "
+        f"{time.perf_counter() - t0:.0f} s")
+    tokens, merges = train_bpe([text for _, text in train_docs], vocab)
     (out / "tokenizer.json").write_text(json.dumps({"tokens": tokens, "merges": merges}))
     tok = bpe_tokenizer(tokens, merges)
     sep = tok.special["<|endoftext|>"]
-    for name, want in (("train", False), ("test", True)):
-        encoded = tok.backend.encode_batch([text for (_, text), test in zip(docs, split) if test == want],
-                                           add_special_tokens=False)
+    for name, part in (("train", train_docs), ("test", test_docs)):
+        encoded = tok.backend.encode_batch([text for _, text in part], add_special_tokens=False)
         stream = np.fromiter((i for e in encoded for i in (*e.ids, sep)), np.int32)
         np.save(out / f"{name}_ids.npy", stream)
         log(f"{name}: {len(stream):,} tokens")
     log(f"tokenizer: {len(tokens)} tokens; corpus stage {time.perf_counter() - t0:.0f} s")
-
-
-def target_config(args):
-    from dflash_jax.testing.tiny import tiny_target_config
-
-    heads = args.hidden // 64
-    return tiny_target_config(num_layers=args.layers, interval=4, vocab_size=args.vocab, hidden_size=args.hidden,
-                              intermediate_size=args.ffn, num_heads=heads, num_kv_heads=max(1, heads // 4),
-                              head_dim=64, rope_dim=16, linear_num_key_heads=max(1, heads // 2),
-                              linear_num_value_heads=heads, linear_key_head_dim=64, linear_value_head_dim=64,
-                              tie_word_embeddings=args.tie, max_position_embeddings=4096)
 
 
 def target_stage(out: Path, args) -> None:
@@ -103,9 +92,9 @@ def target_stage(out: Path, args) -> None:
     from dflash_jax.testing.gguf_writer import write_gguf
     from dflash_jax.training import checkpoint
     from dflash_jax.training.loop import TrainConfig
-    from dflash_jax.training.target_lm import target_trainer, tensors_to_write, to_engine
+    from dflash_jax.training.target_lm import code_target_config, target_trainer, tensors_to_write, to_engine
 
-    cfg = target_config(args)
+    cfg = code_target_config(args.hidden, args.layers, args.vocab, args.ffn, args.tie)
     vocab = json.loads((out / "tokenizer.json").read_text())
     tok = bpe_tokenizer(vocab["tokens"], vocab["merges"])
     if tok.vocab_size != cfg.vocab_size:

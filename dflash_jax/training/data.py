@@ -56,6 +56,14 @@ def held_out(name: str, fraction: float) -> bool:
     return digest / 2**64 < fraction
 
 
+def split(docs: Sequence[tuple[str, str]], fraction: float) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(training, held-out) documents: each goes where `held_out` of its name says."""
+    parts: tuple[list, list] = ([], [])
+    for doc in docs:
+        parts[held_out(doc[0], fraction)].append(doc)
+    return parts
+
+
 def dedupe(docs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """Documents with the same text kept once (the first name wins)."""
     seen, out = set(), []

@@ -54,15 +54,13 @@ def batch_loss(params: dict, tparams: dict, tokens: jax.Array, key: jax.Array, *
     """The loss of a batch of sequences [batch, S]: features from the frozen target, anchors from key."""
     taps, greedy = jax.vmap(lambda t: target_features(tparams, tcfg, t, cfg.target_layer_ids))(tokens)
     taps, greedy = jax.lax.stop_gradient(taps), jax.lax.stop_gradient(greedy)
-    weights = jnp.ones(tokens.shape, jnp.float32)
+    weights = jnp.ones(tokens.shape[1:], jnp.float32)  # every position is learned (plain text: no prompt to skip)
     keys = jax.random.split(key, tokens.shape[0])
-    anchors, keep = jax.vmap(lambda k, w: sample_anchors(k, w, bc.anchors, cfg.block_size))(keys, weights)
+    anchors, keep = jax.vmap(lambda k: sample_anchors(k, weights, bc.anchors, cfg.block_size))(keys)
     dtype = jnp.dtype(bc.dtype)
     logits = jax.vmap(lambda tp, t, a: block_logits(params, cfg, tparams, tp, t, a, dtype))(taps, tokens, anchors)
     labels = jax.vmap(lambda t, g, a: block_labels(t, g, a, cfg.block_size, bc.labels))(tokens, greedy, anchors)
-    at = anchors[..., None] + jnp.arange(cfg.block_size)
-    label_w = jnp.take_along_axis(weights[:, None, :], at.reshape(at.shape[0], 1, -1), axis=-1).reshape(at.shape)
-    return block_loss(logits, labels, keep, label_w, slot_weights(cfg.block_size, bc.gamma))
+    return block_loss(logits, labels, keep, jnp.ones(labels.shape), slot_weights(cfg.block_size, bc.gamma))
 
 
 def draft_trainer(cfg: DraftConfig, tcfg: TargetConfig, tparams: dict, tc: TrainConfig,

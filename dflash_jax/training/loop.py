@@ -63,6 +63,8 @@ class Trainer:
     def evaluate(self, params: Any, held_out: np.ndarray) -> dict[str, float]:
         """Mean metrics over the held-out sequences (whole batches; the same keys every time)."""
         rows = len(held_out) - len(held_out) % self.tc.batch
+        if rows == 0:
+            raise ValueError(f"{len(held_out)} held-out sequences do not fill one batch of {self.tc.batch}")
         sums: dict[str, float] = {}
         for i in range(0, rows, self.tc.batch):
             m = self.eval_fn(params, self.frozen, jnp.asarray(held_out[i:i + self.tc.batch]),

@@ -17,6 +17,19 @@ from dflash_jax.training.features import sequence_logits
 from dflash_jax.training.loop import Trainer, TrainConfig
 
 
+def code_target_config(hidden: int, layers: int, vocab: int, ffn: int, tie: bool = False) -> TargetConfig:
+    """A small Qwen3.5 hybrid (every 4th layer attention) with 64-wide heads: hidden/64 query heads, a quarter as
+    many KV heads, half as many GDN key heads as value heads; partial RoPE over 16 dims, 4096 positions."""
+    from dflash_jax.testing.tiny import tiny_target_config
+
+    heads = hidden // 64
+    return tiny_target_config(num_layers=layers, interval=4, vocab_size=vocab, hidden_size=hidden,
+                              intermediate_size=ffn, num_heads=heads, num_kv_heads=max(1, heads // 4), head_dim=64,
+                              rope_dim=16, linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
+                              linear_key_head_dim=64, linear_value_head_dim=64, tie_word_embeddings=tie,
+                              max_position_embeddings=4096)
+
+
 def init_tensors(cfg: TargetConfig, key: jax.Array, std: float = 0.02) -> dict[str, np.ndarray]:
     """Float32 tensors by GGUF name as Qwen3.5 starts training: normal(0, std) matrices (output projections scaled
     by 1/sqrt(2L)), norms at one (the +1 of Qwen's norms folded in), A in [1, 16], dt in [1e-3, 0.1]."""
