@@ -66,7 +66,7 @@ def load_models(target_path: str, draft_path: str | None, mode: str, impl: str =
     if tokenizer.vocab_size > target.config.vocab_size:
         raise UsageError(f"{target_path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"only {target.config.vocab_size}")
-    draft = load_draft(draft_path, target.config, progress=progress) if mode != "ar" else None
+    draft = load_draft(draft_path, target.config, progress=progress, impl=target.impl) if mode != "ar" else None
     return Models(target, draft, tokenizer, time.perf_counter() - t0)
 
 

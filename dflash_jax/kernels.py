@@ -14,8 +14,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dflash_jax.quant import QTensor
+from dflash_jax.quant import QTensor, dequantize
 from dflash_jax.quant import linear as reference_linear
 from pallas_kernels import gdn
 from pallas_kernels import qmatmul as qm
@@ -40,17 +41,27 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def prepare_matrices(params: Any, impl: str, skip: tuple[str, ...] = ()) -> Any:
-    """The parameter pytree with its quantized matrices in the layout `impl` computes with.
+DENSE_LIMIT = 1 << 30  # bytes of float32 matrices the reference path keeps dequantized (see prepare_matrices)
 
-    For `pallas`, each QTensor in a format the kernel streams becomes a PackedWeight (the QTensor is dropped);
-    top-level entries named in `skip` (e.g. the embedding table, read by row) are left alone.
+
+def prepare_matrices(params: Any, impl: str, skip: tuple[str, ...] = (), dense_limit: int = DENSE_LIMIT) -> Any:
+    """The parameter pytree with its stored matrices (QTensors) in the layout `impl` computes with.
+
+    For `pallas`, each QTensor in a format the kernel streams becomes a PackedWeight (the QTensor is dropped). For
+    `reference`, when all of them fit in `dense_limit` bytes as float32, each is dequantized once here: the reference
+    product dequantizes at every call otherwise, which is most of a small model's step on a CPU (the products are
+    the same). Top-level entries named in `skip` (e.g. the embedding table, read by row) are left alone.
     """
-    if resolve_impl(impl) == "reference":
-        return params
-    convert = lambda x: prepare_matrix(x, impl)  # noqa: E731
     is_leaf = lambda x: isinstance(x, QTensor)  # noqa: E731
-    return {name: (value if name in skip else jax.tree.map(convert, value, is_leaf=is_leaf))
+    kept = {name: value for name, value in params.items() if name not in skip}
+    if resolve_impl(impl) == "reference":
+        stored = [x for x in jax.tree.leaves(kept, is_leaf=is_leaf) if isinstance(x, QTensor)]
+        if not stored or sum(4 * int(np.prod(x.shape)) for x in stored) > dense_limit:
+            return params
+        convert = lambda x: dequantize(x) if isinstance(x, QTensor) else x  # noqa: E731
+    else:
+        convert = lambda x: prepare_matrix(x, impl)  # noqa: E731
+    return {name: (jax.tree.map(convert, value, is_leaf=is_leaf) if name in kept else value)
             for name, value in params.items()}
 
 

@@ -172,9 +172,9 @@ class Draft:
     path: str
 
 
-def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool = True) -> Draft:
+def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool = True, impl: str = "auto") -> Draft:
     """A z-lab DFlash drafter (a directory with config.json and model.safetensors, or the .safetensors file
-    beside its config.json), checked against the target it will draft for."""
+    beside its config.json), checked against the target it will draft for; `impl` as for load_target."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
@@ -218,4 +218,4 @@ def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool 
                     x = x.astype(np.float32)
                 tensors[name] = _on_device(x)
                 bar.update(nbytes[name])
-    return Draft(cfg, draft_params_from_tensors(cfg, tensors), path)
+    return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), impl), path)

@@ -31,6 +31,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def jit_cache(tmp_path_factory) -> str:
+    """One persistent compilation cache for every command a test runs in a subprocess: what one command compiled,
+    the next one loads (the cache is keyed by the program, so this shares time, not results)."""
+    return str(tmp_path_factory.mktemp("jit"))
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf_path() -> Path:
     if not TINY_GGUF.exists():
         pytest.skip(f"reference fixture {TINY_GGUF} is not present")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TINY
 
 pytestmark = pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a POSIX pseudo-terminal")
 
@@ -47,8 +47,10 @@ class Terminal:
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child execs at once; no JAX thread runs in it
-def test_turns_reuse_state_interrupt_and_exit(tmp_path):
-    term = Terminal(f"--jit_cache={tmp_path}", "--stats")
+def test_turns_reuse_state_interrupt_and_exit(tiny_gguf_path, jit_cache):
+    """On the fixture pair, whose random weights give replies of hundreds of tokens."""
+    term = Terminal("--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), f"--jit_cache={jit_cache}",
+                    "--stats")
     term.read_until(">>> ")
     term.type("Hello\r")
     first = term.read_until(r"context (\d+) / 4096[^\n]*\n(.|\n)*?>>> ")

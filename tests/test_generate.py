@@ -14,11 +14,6 @@ from dflash_jax import assets
 from dflash_jax.testing.gguf_writer import rewrite_gguf
 
 
-@pytest.fixture(scope="module")
-def jit_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("jit"))
-
-
 def generate(*args, jit_cache="", stdin=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "dflash_jax.generate", f"--jit_cache={jit_cache}", *args],
@@ -73,7 +68,7 @@ def _other_arch(tiny_gguf_path, tmp_path):
     (lambda g, t: ["--target", str(t / "missing.gguf"), "--mode", "ar", "--prompt", "hi"], "no such file"),
     (lambda g, t: ["--target", _other_arch(g, t), "--mode", "ar", "--prompt", "hi"],
      "architecture 'llama' is not supported"),
-    (lambda g, t: ["--target", str(g), "--draft", assets.DEFAULT_DRAFT, "--prompt", "hi"], "vocab 512 != the target's"),
+    (lambda g, t: ["--target", str(g), "--draft", assets.DEFAULT_DRAFT, "--prompt", "hi"], "vocab 8192 != the target's"),
     (lambda g, t: ["--target", str(g), "--prompt_ids", "1,2,3,4", "--max_ctx", "8", "--n_gen", "8"],
      "prompt of 4 tokens \\+ --n_gen 8 exceeds --max_ctx 8"),
     (lambda g, t: ["--target", str(g), "--mode", "ar", "--prompt_ids", "1,5000"], "token id 5000 at position 1"),
@@ -93,10 +88,17 @@ def test_bad_input_is_one_line_and_exit_code_2(tiny_gguf_path, tmp_path, args, m
     assert lines[0].startswith("generate: ")
 
 
-def test_shipped_pair_is_what_the_script_writes(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_default_model import make
+def test_the_shipped_pair_fits_its_limits():
+    """The trained pair of scripts/train_tiny_pair.py: each file under 16 MiB, 30 MB at most together, a drafter made
+    for this target (its mask token, tap layers and head)."""
+    from dflash_jax.load import load_draft, load_target
+    from dflash_jax.tokenizer import Tokenizer
 
-    make(tmp_path, seed=0)
-    for rel in ("target.gguf", "draft/config.json", "draft/model.safetensors"):
-        assert (tmp_path / rel).read_bytes() == (ROOT / "dflash_jax" / "assets" / "default" / rel).read_bytes(), rel
+    files = [p for p in (ROOT / "dflash_jax" / "assets" / "default").rglob("*") if p.is_file()]
+    sizes = {p.name: p.stat().st_size for p in files}
+    assert set(sizes) == {"target.gguf", "config.json", "model.safetensors"}
+    assert max(sizes.values()) < 16 << 20 and sum(sizes.values()) <= 30e6, sizes
+    target = load_target(assets.DEFAULT_TARGET, progress=False, impl="reference")
+    draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False, impl="reference")
+    assert target.config.tie_word_embeddings and draft.config.block_size == 16
+    assert draft.config.mask_token_id == Tokenizer.from_gguf(assets.DEFAULT_TARGET).special["<|mask|>"]

@@ -49,7 +49,13 @@ def test_bf16_directory_keeps_bf16_matrices_and_matches_f32_of_the_same_values(w
     write_hf_dir(tmp_path / "f32", CFG, rounded)
     bf16, f32 = load_target(tmp_path / "bf16", progress=False), load_target(tmp_path / "f32", progress=False)
     wq = bf16.params["layers"][1]["wq"]
-    assert isinstance(wq, QTensor) and wq.fmt == "BF16" and wq.data["w"].dtype == jnp.bfloat16
+    if bf16.impl == "pallas":  # kept in the stored precision for XLA's product
+        assert isinstance(wq, QTensor) and wq.fmt == "BF16" and wq.data["w"].dtype == jnp.bfloat16
+    else:  # a small model on the reference path: widened once at load (kernels.prepare_matrices)
+        assert wq.dtype == jnp.float32
+        stored = load_target(tmp_path / "bf16", progress=False, impl="pallas").params["layers"][1]["wq"]
+        assert stored.fmt == "BF16" and stored.data["w"].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(wq, np.asarray(stored.data["w"], np.float32))
     assert bf16.params["layers"][0]["attn_norm"].dtype == jnp.float32  # norms (+1 folded in) stay float32
     ids = np.arange(1, 40) % CFG.vocab_size
     # the same float32 arithmetic on the same values (a GPU may fuse the bf16 widening differently: last-ulp noise)
@@ -204,3 +210,22 @@ def test_score_cli_text_goes_through_the_gguf_tokenizer(tiny_gguf_path):
     by_ids = run_score("--target", str(tiny_gguf_path), "--ids", ",".join(map(str, case["ids"])))
     assert by_text.returncode == 0 and by_ids.returncode == 0, by_text.stderr + by_ids.stderr
     assert by_text.stdout.split("(load")[0] == by_ids.stdout.split("(load")[0]
+
+
+def test_reference_matrices_are_dequantized_once_when_they_fit(tiny_gguf_path):
+    """kernels.prepare_matrices on the reference path: each stored matrix becomes the float32 array the product
+    would dequantize at every call, unless together they pass the limit; the embedding (read by row) is left."""
+    from dflash_jax.kernels import prepare_matrices
+    from dflash_jax.quant import dequantize
+
+    from dflash_jax.gguf import GGUFModel
+    from dflash_jax.models.target import params_from_tensors
+
+    model = GGUFModel(tiny_gguf_path)
+    stored = params_from_tensors(model.config, {n: jax.tree.map(jnp.asarray, model.load(n)) for n in model.tensors})
+    dense = prepare_matrices(stored, "reference", skip=("embed",))
+    assert isinstance(dense["embed"], QTensor) and not any(
+        isinstance(x, QTensor) for x in jax.tree.leaves(dense["layers"], is_leaf=lambda x: isinstance(x, QTensor)))
+    wq, qt = dense["layers"][3]["wq"], stored["layers"][3]["wq"]
+    np.testing.assert_array_equal(wq, dequantize(qt))
+    assert prepare_matrices(stored, "reference", dense_limit=1000) is stored

@@ -347,11 +347,11 @@ def test_a_client_killed_mid_stream_stops_its_generation(server, oai):
     assert answer == server.expect(server.chat_ids(USER), 4)[0], server.logs
 
 
-def test_the_serve_command_answers_like_generate(tiny_gguf_path, tmp_path):
+def test_the_serve_command_answers_like_generate(tiny_gguf_path, jit_cache):
     """`python -m dflash_jax.serve` (flags spelled with dashes, as the issue's users write them) gives what
     `python -m dflash_jax.generate` prints for the same prompt; Ctrl+C stops it cleanly; bad flags exit 2."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    model = ["--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), f"--jit_cache={tmp_path}"]
+    model = ["--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), f"--jit_cache={jit_cache}"]
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

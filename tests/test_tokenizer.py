@@ -80,23 +80,27 @@ def test_gguf_without_tokenizer(tiny_gguf_path, tmp_path):
         Tokenizer.from_gguf(path)
 
 
-def test_a_trained_bpe_reads_back_as_the_gguf_written_with_it():
-    """training.bpe: the shipped default target's tokenizer was trained by it; retraining on the same text gives a
-    tokenizer that encodes like the one read from the file, special tokens last and parsed whole."""
-    import sys
-
+def test_a_trained_bpe_reads_back_as_the_gguf_written_with_it(tmp_path):
+    """training.bpe (which trained the shipped default target's tokenizer): a BPE trained on some Python, written into
+    a GGUF's metadata, reads back as a tokenizer that encodes alike, special tokens last and parsed whole."""
     from conftest import ROOT
     from dflash_jax import assets
-    from dflash_jax.training.bpe import SPECIAL, bpe_tokenizer, train_bpe
+    from dflash_jax.testing.gguf_writer import write_gguf
+    from dflash_jax.testing.tiny import random_gguf_tensors, tiny_target_config
+    from dflash_jax.training.bpe import SPECIAL, bpe_tokenizer, gguf_metadata, train_bpe
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_default_model import CORPUS, VOCAB
-
-    tokens, merges = train_bpe([CORPUS], VOCAB)
-    trained, shipped = bpe_tokenizer(tokens, merges), Tokenizer.from_gguf(assets.DEFAULT_TARGET)
-    assert tokens[-len(SPECIAL):] == list(SPECIAL) and trained.vocab_size == shipped.vocab_size == VOCAB
+    vocab = 512
+    texts = [p.read_text() for p in sorted((ROOT / "dflash_jax" / "engine").glob("*.py"))]
+    tokens, merges = train_bpe(texts, vocab)
+    cfg = tiny_target_config(num_layers=2, vocab_size=vocab)
+    write_gguf(tmp_path / "t.gguf", random_gguf_tensors(cfg, 0), cfg, metadata=gguf_metadata(tokens, merges))
+    trained, written = bpe_tokenizer(tokens, merges), Tokenizer.from_gguf(tmp_path / "t.gguf")
+    assert tokens[-len(SPECIAL):] == list(SPECIAL) and trained.vocab_size == written.vocab_size == vocab
     text = 'def f(x):\n    return x + 1  # héllo, 世界 <|im_end|>\n<|mask|>'
-    assert trained.encode(text) == shipped.encode(text) and trained.decode(trained.encode(text)) == text
-    assert trained.stop_ids == shipped.stop_ids and trained.special["<|mask|>"] == VOCAB - 1
+    assert trained.encode(text) == written.encode(text) and trained.decode(trained.encode(text)) == text
+    assert trained.stop_ids == written.stop_ids and trained.special["<|mask|>"] == vocab - 1
+    shipped = Tokenizer.from_gguf(assets.DEFAULT_TARGET)  # made the same way, with 8192 tokens
+    assert shipped.vocab_size == 8192 and shipped.special["<|mask|>"] == 8191
+    assert list(shipped.stop_ids) == [i + 8192 - vocab for i in written.stop_ids]  # the same special tokens, last
     with pytest.raises(ValueError, match="too little text"):
         train_bpe(["a b"], 4096)

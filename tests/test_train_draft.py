@@ -112,7 +112,7 @@ def test_training_lowers_the_held_out_loss_and_resumes_exactly(tparams, tmp_path
         checkpoint.load(path, trainer.init()[0])
 
 
-def test_the_train_draft_command_writes_a_drafter_the_engine_runs(tiny_gguf_path, tmp_path):
+def test_the_train_draft_command_writes_a_drafter_the_engine_runs(tiny_gguf_path, tmp_path, jit_cache):
     """`python -m dflash_jax.train_draft` on the fixture target: progress lines, a z-lab drafter that loads and
     decodes losslessly, the metrics; bad flags exit 2 with one line. (Resuming is checked in-process above.)"""
     import json
@@ -127,7 +127,7 @@ def test_the_train_draft_command_writes_a_drafter_the_engine_runs(tiny_gguf_path
     args = [sys.executable, "-m", "dflash_jax.train_draft", "--target", str(tiny_gguf_path), "--data",
             str(ROOT / "dflash_jax" / "server"), "--out", str(out), "--layers", "1", "--block_size", "8",
             "--seq_len", "64", "--batch", "2", "--anchors", "4", "--log_every", "2", "--save_every", "2",
-            "--eval_every", "0", "--held_out", "0", f"--jit_cache={tmp_path / 'jit'}"]
+            "--eval_every", "0", "--held_out", "0", f"--jit_cache={jit_cache}"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(args + ["--steps", "4"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert run.returncode == 0, run.stderr

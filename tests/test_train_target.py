@@ -1,9 +1,12 @@
 """Training a target from scratch with the engine's own forward: the training logits are the prefill's, a short run
 lowers the loss, and the trained tensors load back as the same model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 from dflash_jax.engine.state import init_state
@@ -19,14 +22,19 @@ CFG = tiny_target_config(num_layers=4, interval=2, vocab_size=64, hidden_size=64
                          linear_value_head_dim=16, linear_num_value_heads=4)
 
 
-def test_training_logits_are_the_prefill_logits_and_tensors_round_trip():
-    params = init_params(CFG, jax.random.key(0))
+@pytest.mark.parametrize("tie", [False, True])
+def test_training_logits_are_the_prefill_logits_and_tensors_round_trip(tie):
+    """Tied: one trained matrix is both embedding and head, so what is written (no output.weight) is what trained."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tie)
+    params = init_params(cfg, jax.random.key(0))
     assert all(float(jnp.max(-jnp.exp(p["a_log"]))) < 0 for p in params["layers"] if "a_log" in p)
+    assert ("lm_head" in params) != tie and ("output.weight" in tensors_to_write(params, cfg)) != tie
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, 128), jnp.int32)
-    got = sequence_logits(to_engine(params), CFG, tokens)
+    got = sequence_logits(to_engine(params), cfg, tokens)
     want = [logits for logits in _prefill_all(to_engine(params), tokens)]
     np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-5, atol=1e-5)
-    again = jax.tree.map(jnp.asarray, params_from_tensors(CFG, tensors_to_write(params, CFG)))
+    again = jax.tree.map(jnp.asarray, params_from_tensors(cfg, tensors_to_write(params, cfg)))
+    assert jax.tree.structure(again) == jax.tree.structure(to_engine(params))
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(to_engine(params))):
         np.testing.assert_array_equal(a, b)
 

@@ -1,5 +1,6 @@
 """Model files shipped inside the package: the tiny default pair `python -m dflash_jax.generate` runs without
-`--target` (random weights made by `scripts/make_default_model.py`; they show the pipeline, not real text)."""
+`--target`, a 25M-parameter Python-code target and its 2-layer DFlash drafter, trained by
+`scripts/train_tiny_pair.py` (see the README's "The shipped tiny pair")."""
 
 import os
 

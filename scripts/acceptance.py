@@ -1,0 +1,124 @@
+"""Acceptance length and decode speed of a target + drafter pair with real speculative decoding: AR, chain, and DDTree
+at several budgets, over prompt sets, greedy, each run checked against AR's tokens.
+
+    python scripts/acceptance.py --target T.gguf --draft DIR --sets humaneval,prompts.jsonl --out results.json
+
+With no --target/--draft it measures the pair shipped in the package. Prompts are raw text (no chat template): the
+shipped target is a code model. Each configuration is compiled on the first prompt before the timed pass; the
+results file is rewritten after each configuration, so a run stopped by --time_limit keeps what it finished.
+AL is the mean tokens per decode step over all steps of the set (accepted draft tokens plus the bonus token);
+tok/s is decoded tokens over decode time (the first token, from prefill, and the prefill are left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def configs(budgets: list[int]) -> list[tuple[str, int]]:
+    """(mode, budget) pairs: AR first (the reference tokens), then chain, then DDTree per budget."""
+    return [("ar", 0), ("chain", 0)] + [("ddtree", b) for b in budgets]
+
+
+def measure(engine, prompts: list[list[int]], n_gen: int, stop_ids: list[int], reference: list[list[int]] | None):
+    """One configuration over a prompt set: totals, the acceptance histogram, agreement with the reference."""
+    engine.generate(prompts[0], n_gen, stop_ids)  # compiles
+    steps = tokens = same = 0
+    seconds, hist, outputs = 0.0, [0] * (engine.width + 1), []
+    for i, ids in enumerate(prompts):
+        g = engine.generate(ids, n_gen, stop_ids)
+        outputs.append(g.tokens)
+        steps += g.steps
+        tokens += sum(g.accept_lengths)
+        seconds += g.decode_s
+        for a in g.accept_lengths:
+            hist[a] += 1
+        same += reference is None or g.tokens == reference[i]
+    return outputs, {"steps": steps, "decoded": tokens, "decode_s": seconds, "al": tokens / max(steps, 1),
+                     "tok_s": tokens / seconds if seconds else 0.0, "same_as_ar": same, "histogram": hist[1:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="default: the shipped pair")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--sets", default="humaneval", help="comma-separated: humaneval, or JSONL paths")
+    ap.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0: all)")
+    ap.add_argument("--n_gen", type=int, default=128)
+    ap.add_argument("--budgets", default="4,8,16,22,32")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"],
+                    help="kernels: auto is pallas on a GPU")
+    ap.add_argument("--out", type=Path, required=True, help="results JSON (a .txt table is written beside it)")
+    ap.add_argument("--time_limit", type=float, default=0, help="seconds; no new configuration starts after it")
+    args = ap.parse_args()
+
+    import jax
+
+    from dflash_jax import assets, prompt_sets
+    from dflash_jax.config import EngineConfig
+    from dflash_jax.engine.generate import Engine
+    from dflash_jax.load import load_draft, load_target
+    from dflash_jax.tokenizer import load_tokenizer
+
+    t_start = time.monotonic()
+    target_path, draft_path = args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
+    target = load_target(target_path, progress=False, impl=args.impl)
+    draft = load_draft(draft_path, target.config, progress=False, impl=target.impl)
+    tok = load_tokenizer(target_path)
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    dev = jax.devices()[0]
+    report = {"target": str(target_path), "draft": str(draft_path), "device": getattr(dev, "device_kind", str(dev)),
+              "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
+              "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": args.topk,
+              "impl": target.impl, "sets": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for spec in args.sets.split(","):
+        prompts = [tok.encode(text) for _, text in prompt_sets.load(spec, args.limit)]
+        max_ctx = -(-(max(map(len, prompts)) + args.n_gen) // 256) * 256
+        name = Path(spec).stem if spec != "humaneval" else spec
+        rows = report["sets"][name] = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                                       "results": []}
+        reference = None
+        for mode, budget in configs(budgets):
+            if args.time_limit and time.monotonic() - t_start > args.time_limit:
+                print(f"--time_limit: stopping before {name} {mode} {budget}", file=sys.stderr)
+                break
+            ecfg = EngineConfig(mode=mode, budget=budget or 22, topk=args.topk, max_ctx=max_ctx)
+            outputs, r = measure(Engine.from_loaded(target, draft if mode != "ar" else None, ecfg), prompts,
+                                 args.n_gen, tok.stop_ids, reference)
+            if mode == "ar":
+                reference = outputs
+            rows["results"].append({"mode": mode, "budget": budget or None, **r})
+            print(f"{name:>12} {mode:>6} {budget or '':>3}  AL {r['al']:5.2f}  {r['tok_s']:8.1f} tok/s  "
+                  f"same as AR {r['same_as_ar']}/{len(prompts)}", file=sys.stderr, flush=True)
+            args.out.write_text(json.dumps(report, indent=1))
+    args.out.with_suffix(".txt").write_text(table(report))
+    print(table(report))
+
+
+def table(report: dict) -> str:
+    """The results as a text table: AL and tok/s per set and configuration, with the speedup over AR."""
+    lines = [f"# {report['device']} ({report['backend']}, impl {report['impl']}), jax {report['jax']}, "
+             f"{report['date']}; n_gen {report['n_gen']}, top-K {report['topk']}",
+             f"{'set':>12} {'mode':>6} {'budget':>6} {'AL':>6} {'tok/s':>9} {'vs AR':>6} {'same as AR':>11}"]
+    for name, s in report["sets"].items():
+        ar = next((r["tok_s"] for r in s["results"] if r["mode"] == "ar"), None)
+        for r in s["results"]:
+            speed = f"{r['tok_s'] / ar:.2f}x" if ar else "-"
+            lines.append(f"{name:>12} {r['mode']:>6} {r['budget'] or '':>6} {r['al']:6.2f} {r['tok_s']:9.1f} "
+                         f"{speed:>6} {r['same_as_ar']:>5}/{s['prompts']}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
