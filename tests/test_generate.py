@@ -51,11 +51,12 @@ def test_default_pair_streams_text_and_stats(jit_cache):
     assert tok.decode(out["prompt_ids"]).startswith("<|im_start|>user\ndef fibonacci(n):<|im_end|>\n")
 
 
-def test_stdin_raw_prompt(jit_cache):
-    proc = generate("--raw", "--n_gen", "4", "--mode", "ar", "--json", stdin="x = 1\n", jit_cache=jit_cache)
+def test_stdin_raw_prompt(tiny_gguf_path, jit_cache):
+    proc = generate("--target", str(tiny_gguf_path), "--raw", "--n_gen", "4", "--mode", "ar", "--json",
+                    stdin="x = 1\n", jit_cache=jit_cache)
     assert proc.returncode == 0, proc.stderr
     from dflash_jax.tokenizer import Tokenizer
-    assert json.loads(proc.stdout)["prompt_ids"] == Tokenizer.from_gguf(assets.DEFAULT_TARGET).encode("x = 1\n")
+    assert json.loads(proc.stdout)["prompt_ids"] == Tokenizer.from_gguf(tiny_gguf_path).encode("x = 1\n")
 
 
 def _other_arch(tiny_gguf_path, tmp_path):
