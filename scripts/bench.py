@@ -5,7 +5,7 @@
 In one run: the device-to-device copy rate; the synthetic 27B target (exact shapes, stock Q4_K_M types) and 1.73B
 bf16 drafter made on the device (dflash_jax/testing/synthetic.py); AR tokens/s and time to first token against the
 weight-streaming roofline; per-phase step times (draft, tree build, verify, accept + commit) for each DDTree budget
-and the chain, each phase jitted alone (median), beside the fused step's time in the real decode loop; end-to-end
+and the chain, each phase jitted alone (calls queued back to back, median of batches), beside the fused step's time in the real decode loop; end-to-end
 tokens/s in forced-acceptance mode (the real drafter runs for its cost, its proposals replaced by the target's own
 greedy continuation with errors at a rate calibrated to each acceptance length); AR and DDTree steps at long
 contexts (a committed cache of random keys and values); peak device memory; compile time per jitted function.
@@ -29,10 +29,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import copy_rate, environment, fit_verify_cost  # noqa: E402
 
-from dflash_jax.config import EngineConfig  # noqa: E402
+from dflash_jax.config import MAX_TREE_NODES, EngineConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.step import DFlashDrafter, emit_width  # noqa: E402
+from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
 from dflash_jax.testing import synthetic  # noqa: E402
@@ -63,13 +64,12 @@ def make_models(kind: str, impl: str, log=print):
         draft = synthetic.synthetic_draft(tiny_draft_config(cfg, block_size=16), impl=impl)
     jax.block_until_ready((target.params, draft.params))
     # the bytes one decode step streams: every matrix but the embedding table (read by row), in its GGUF size
-    matrices = {n: b for n, b in stored.items() if n != "token_embd.weight" and not n.endswith(("norm.weight",
-                                                                                                "ssm_a", "dt.bias",
-                                                                                                "conv1d.weight"))}
+    specs = tensor_specs(target.config)
+    matrices = {n: b for n, b in stored.items() if n != "token_embd.weight" and specs[n].kind != "dense"}
     info = dict(make_s=time.perf_counter() - t0, target_gguf_bytes=sum(stored.values()),
                 step_weight_bytes=sum(matrices.values()),
-                target_device_bytes=synthetic.stored_bytes(target.params),
-                draft_device_bytes=synthetic.stored_bytes(draft.params))
+                target_device_bytes=synthetic.tree_bytes(target.params),
+                draft_device_bytes=synthetic.tree_bytes(draft.params))
     return target, draft, info
 
 
@@ -77,10 +77,6 @@ def memory() -> dict:
     """Device memory in use and its peak so far (bytes), where the backend reports them."""
     stats = jax.devices()[0].memory_stats() or {}
     return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
-
-
-def state_bytes(state) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
 def engine_for(target, draft, mode: str, budget: int = 22, max_ctx: int = 4096, forced: bool = False,
@@ -100,7 +96,7 @@ def engine_for(target, draft, mode: str, budget: int = 22, max_ctx: int = 4096, 
 
 def forced_params(engine: Engine, draft, prompt_len: int, continuation: list[int], error_rate: float) -> dict:
     """ForcedDrafter params: the continuation at its absolute positions (the first token sits at prompt_len)."""
-    seq = np.zeros(engine.ecfg.max_ctx + 64, np.int32)
+    seq = np.zeros(engine.ecfg.max_ctx + MAX_TREE_NODES, np.int32)
     seq[prompt_len:prompt_len + len(continuation)] = continuation
     return {"real": draft.params, "sequence": jnp.asarray(seq), "error_rate": jnp.float32(error_rate)}
 
@@ -256,7 +252,8 @@ def oracle_ms(engine: Engine, iters: int) -> float:
     from dflash_jax.testing.oracle import oracle_logits
 
     width = emit_width(engine.ecfg, engine.drafter.block_size)
-    fn = jax.jit(lambda seq, pos, rate: oracle_logits(seq, pos, width - 1, engine.tcfg.vocab_size, rate, 0))
+    fn = jax.jit(lambda seq, pos, rate: oracle_logits(seq, pos, width - 1, engine.tcfg.vocab_size, rate,
+                                                      engine.drafter.seed))
     return 1e3 * stateless_seconds(fn, engine.dparams["sequence"], jnp.int32(100), jnp.float32(0.1), iters=iters)
 
 
@@ -354,7 +351,7 @@ def main() -> None:
             for mode in ("ar", "ddtree"):
                 engine = engine_for(target, draft, mode, 22, ctx)
                 state, _ = engine.start(prompt, ctx - len(prompt), NO_STOPS)
-                row = dict(context=ctx, mode=mode, state_bytes=state_bytes(state),
+                row = dict(context=ctx, mode=mode, state_bytes=synthetic.tree_bytes(state),
                            **compiled_memory(engine.step, engine.tparams, engine.dparams, state,
                                              engine.stop_array(())))
                 res["compiled_memory"].append(row)
@@ -419,7 +416,7 @@ def main() -> None:
             for mode in ("ar", "ddtree"):
                 engine = engine_for(target, draft, mode, 22, ctx)
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
-                row[f"{mode}_state_bytes"] = state_bytes(state)
+                row[f"{mode}_state_bytes"] = synthetic.tree_bytes(state)
                 if mode == "ddtree":
                     row["phases_ms"] = phase_times(engine, fake_context(state, length), args.iters)
                     state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)

@@ -9,7 +9,8 @@ sets, every output checked against AR's. `--synthetic 27b` (or `tiny`) measures 
 scripts/bench.py in forced-acceptance mode: the drafter runs for its cost and proposes the target's own greedy
 continuation with errors at `--error_rate` (the true token at rank 2 or 3), so AL there shows how the tree's shape
 catches those errors, not what a trained drafter would reach. The verify of N = budget + 1 nodes is also timed
-alone (median) for every budget and fitted as t(N) = a + b N by least squares.
+alone for every budget and fitted by least squares as a line in N and as a line in the row tile the products pad
+N to (benchlib.fit_verify_cost).
 """
 
 from __future__ import annotations

@@ -71,7 +71,6 @@ class Engine:
         self.dparams = dparams
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
-        self.verify_tokens = {"ar": 1, "chain": self.block_size, "ddtree": ecfg.budget + 1}[ecfg.mode]
         self.impl = impl
         self.step = make_step(tcfg, self.drafter, ecfg, impl)
 

@@ -69,12 +69,11 @@ def synthetic_target(cfg: TargetConfig, *, impl: str = "auto", seed: int = 0,
         sub = jax.random.fold_in(key, i)
         if spec.kind == "dense":
             x = _dense(sub, name, spec.shape)
-            nbytes = x.nbytes
         else:
             x = random_matrix(sub, rule(name, spec).name, spec.shape, cache)
-            nbytes = x.nbytes
-            if name != "token_embd.weight":  # read by row; stays a QTensor as load_target leaves it
-                x = prepare_matrix(x, impl)
+        nbytes = x.nbytes  # as stored in a GGUF, before any repacking
+        if name != "token_embd.weight":  # read by row; stays a QTensor as load_target leaves it
+            x = prepare_matrix(x, impl)  # dense vectors pass through
         tensors[name] = jax.block_until_ready(x)
         if on_tensor:
             on_tensor(name, nbytes)
@@ -98,9 +97,9 @@ def synthetic_draft(cfg: DraftConfig, *, impl: str = "auto", seed: int = 1) -> D
     return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), impl), f"synthetic seed {seed}")
 
 
-def stored_bytes(params) -> int:
-    """Bytes of every array in a parameter pytree (as laid out on the device)."""
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+def tree_bytes(tree) -> int:
+    """Bytes of every array in a pytree (parameters or a decode state, as laid out on the device)."""
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def synthetic_27b(impl: str = "auto", seed: int = 0, on_tensor=None) -> tuple[Target, Draft]:
