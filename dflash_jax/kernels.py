@@ -88,12 +88,14 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
 
 
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
-                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, impl: str) -> jax.Array:
-    """A block's attention over the committed prefix and its own keys (reference.tree_attention for the args)."""
+                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, impl: str,
+                   layer: int | None = None) -> jax.Array:
+    """A block's attention over the committed prefix and its own keys (reference.tree_attention for the args);
+    with `layer`, the caches are stacked and the kernel reads that layer in place."""
     args = (q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo)
     if resolve_impl(impl) == "reference":
-        return ref.tree_attention(*args)
-    return _tree_attention_kernel(*args, interpret=_interpret())
+        return ref.tree_attention(*args, layer)
+    return _tree_attention_kernel(*args, layer=layer, interpret=_interpret())
 
 
 def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array, impl: str) -> jax.Array:
@@ -103,24 +105,34 @@ def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array, impl: str
     return _tree_conv_kernel(conv_in, index, weight, interpret=_interpret())
 
 
-def gdn_tree(q, k, v, g, beta, s0, anc, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The gated delta rule over a verified block: (o, v_new, gamma), as reference.gdn_block."""
+def gdn_tree(q, k, v, g, beta, s0, anc, impl: str, layer: int | None = None
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The gated delta rule over a verified block: (o, v_new, gamma), as reference.gdn_block; with `layer`, s0 is
+    the stacked state and the kernel reads that layer in place."""
     if resolve_impl(impl) == "reference":
-        return ref.gdn_block(q, k, v, g, beta, s0, anc)
-    return gdn.gdn_tree(q, k, v, g, beta, s0, anc, interpret=_interpret())
+        return ref.gdn_block(q, k, v, g, beta, s0, anc, layer)
+    return gdn.gdn_tree(q, k, v, g, beta, s0, anc, layer=layer, interpret=_interpret())
 
 
-def gdn_chunked(q, k, v, g, beta, s0, impl: str) -> tuple[jax.Array, jax.Array]:
-    """The causal gated delta rule of a prefill in chunks of 64: (o, final state), as reference.gdn_chunked."""
+def gdn_chunked(q, k, v, g, beta, s0, impl: str, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """The causal gated delta rule of a prefill in chunks of 64: (o, final state), as reference.gdn_chunked; with
+    `layer`, s0 is the stacked state and the kernel reads that layer in place."""
     if resolve_impl(impl) == "reference":
-        return ref.gdn_chunked(q, k, v, g, beta, s0)
-    return gdn.gdn_chunked(q, k, v, g, beta, s0, interpret=_interpret())
+        return ref.gdn_chunked(q, k, v, g, beta, s0, layer=layer)
+    return gdn.gdn_chunked(q, k, v, g, beta, s0, layer=layer, interpret=_interpret())
 
 
 def gdn_commit(ssm: jax.Array, k: list[jax.Array], v_new: list[jax.Array], gamma: list[jax.Array],
                path: jax.Array, leaf: jax.Array, impl: str) -> jax.Array:
     """Every GDN layer's state after the accepted path: ssm [L, H, dk, dv] and per-layer verify outputs."""
     if resolve_impl(impl) == "reference":
-        return jnp.stack([ref.gdn_path_state(*layer, s0, path, leaf) for *layer, s0 in zip(k, v_new, gamma, ssm)])
+        k, v_new, gamma = jnp.stack(k), jnp.stack(v_new), jnp.stack(gamma)
+
+        # a loop over the layers updates the state in place: a stack of new layers is a second state, and unrolled
+        # reads of ssm[i] beside writes of it made XLA copy the whole state
+        def layer(i: jax.Array, ssm: jax.Array) -> jax.Array:
+            return ssm.at[i].set(ref.gdn_path_state(k[i], v_new[i], gamma[i], ssm[i], path, leaf))
+
+        return jax.lax.fori_loop(0, ssm.shape[0], layer, ssm)
     return gdn.gdn_commit(ssm, jnp.stack(k), jnp.stack(v_new), jnp.stack(gamma), path, leaf,
                           interpret=_interpret())

@@ -50,7 +50,7 @@ def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
 
 
 def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_ref, k_ref, v_ref, g_ref, b_ref,
-                   anc_ref, s0_ref, *out_refs):
+                   anc_ref, layer_ref, s0_ref, *out_refs):
     o_ref, vn_ref, gm_ref = out_refs[:3]
     h, t = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(t * block_v, block_v)
@@ -87,7 +87,7 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
         wts = jnp.where(last_path > 0, jnp.exp(jnp.where(last_path > 0, g_last - gamma, 0.0)), 0.0)
         return jnp.exp(g_last) * state + dot(wts[:, None] * k, v_new, ta=True)
 
-    state = s0_ref[h, :, cols]
+    state = s0_ref[layer_ref[0], h, :, cols]
     if chunks == 1:
         state = block(0, state)
     else:
@@ -99,14 +99,20 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
 @functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "num_warps", "num_stages", "precision",
                                              "interpret"))
 def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-               anc: jax.Array, *, block_n: int, final: bool, block_v: int = 128, num_warps: int = 8,
-               num_stages: int = 1, precision: str = "tf32", interpret: bool = False):
+               anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None, block_v: int = 128,
+               num_warps: int = 8, num_stages: int = 1, precision: str = "tf32", interpret: bool = False):
     """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
 
     Returns (o [T, H, dv], v_new [T, H, dv], gamma [T, H]) and, with `final`, the state after the last token of
     the last block along its path [H, dk, dv]. block_n must be a power of two >= 16 (pad with tokens whose
-    k, g, beta are 0 and which are nobody's ancestor). Default tiles: the fastest of scripts/gdn_probe.py on an H100.
+    k, g, beta are 0 and which are nobody's ancestor). With `layer` (an operand: one compiled kernel serves every
+    layer), s0 is the stacked state [layers, H, dk, dv] and the kernel reads that layer (a slice passed in would be
+    copied out first). Default tiles: the fastest of scripts/gdn_probe.py on an H100.
     """
+    if layer is None:
+        s0, layer = s0[None], 0
+    if s0.ndim != 4:
+        raise ValueError(f"a state {s0.shape} with a layer: give the stacked state [layers, H, dk, dv]")
     t_len, h, dk = q.shape
     dv = v.shape[-1]
     if t_len % block_n or block_n < 16 or block_n & (block_n - 1):
@@ -127,29 +133,34 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdn_blocks",
-    )(f32(q), f32(k), f32(v), f32(g), f32(beta), anc.astype(jnp.int32), f32(s0))
+    )(f32(q), f32(k), f32(v), f32(g), f32(beta), anc.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+      f32(s0))
 
 
 def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-             anc: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Verify: the kernel counterpart of reference.gdn_block for N <= 64 tokens (padded to a power of two)."""
+             anc: jax.Array, *, layer: int | jax.Array | None = None, interpret: bool = False
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Verify: the kernel counterpart of reference.gdn_block for N <= 64 tokens (padded to a power of two); with
+    `layer`, s0 is the stacked state [layers, H, dk, dv]."""
     n = q.shape[0]
     n_pad = dot_tile(n)
     pad = lambda x: jnp.pad(x, [(0, n_pad - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     anc_pad = jnp.eye(n_pad, dtype=bool).at[:n, :n].set(anc)  # padding tokens: their own roots
-    o, v_new, gamma = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, anc_pad, block_n=n_pad, final=False,
+    o, v_new, gamma = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, anc_pad, block_n=n_pad, final=False, layer=layer,
                                  interpret=interpret)
     return o[:n], v_new[:n], gamma[:n]
 
 
 def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-                chunk: int = 64, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Prefill: the kernel counterpart of reference.gdn_chunked; returns (o [T, H, dv], final state)."""
+                chunk: int = 64, *, layer: int | jax.Array | None = None, interpret: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
+    """Prefill: the kernel counterpart of reference.gdn_chunked; returns (o [T, H, dv], final state). With
+    `layer`, s0 is the stacked state [layers, H, dk, dv]."""
     n = q.shape[0]
     pad_n = (-n) % chunk
     pad = lambda x: jnp.pad(x, [(0, pad_n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-    o, _, _, state = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, causal, block_n=chunk, final=True,
+    o, _, _, state = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, causal, block_n=chunk, final=True, layer=layer,
                                 interpret=interpret)
     return o[:n], state
 

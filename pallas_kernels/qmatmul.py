@@ -10,7 +10,8 @@ Q6_K its four 2-bit groups (`plane_columns` gives the weight column behind each 
 `block_n` rows of W and walks K a few super-blocks per step: per plane it dequantizes the tile in registers
 (`plane_tile`, the same function the reference runs), rounds it to bf16 and multiplies it on the tensor cores with
 the activations, which the wrapper permutes into each plane's column order once per call. Dense weights take a
-plain 2-D bf16 tile.
+plain 2-D bf16 tile. A matrix with few row tiles (the 5120-row ones) splits K over several programs (`splits`), so
+that every multiprocessor streams, and XLA adds their partial products.
 
 Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
 """
@@ -151,6 +152,16 @@ def default_tiles(m_pad: int) -> tuple[int, int]:
     return {16: (32, 256), 32: (64, 512)}.get(m_pad, (64, 256))
 
 
+def default_splits(n: int, steps: int, block_n: int, target: int = 1024) -> int:
+    """Programs along K: the largest power of two, at most 8, that keeps row tiles x splits within `target` (about
+    eight programs per multiprocessor of an H100) and divides the K steps evenly. On the 27B's 5120-row matrices
+    that is 2-4 splits, 1.3-1.8x faster than one (scripts/results/qmatmul_splits_h100.txt)."""
+    tiles, s = -(-n // block_n), 1
+    while 2 * s <= 8 and tiles * 2 * s <= target and steps % (2 * s) == 0:
+        s *= 2
+    return s
+
+
 def units_per_step(fmt: str, k: int, columns: int = 512) -> int:
     """Units per K-loop step: the largest power of two dividing the row's units with at most `columns` columns."""
     units = k // unit(fmt, k)
@@ -162,15 +173,17 @@ def units_per_step(fmt: str, k: int, columns: int = 512) -> int:
     return s
 
 
-def _kernel(fmt: str, n: int, step: int, block_n: int, names: tuple[str, ...], *refs):
+def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
-    r0 = pl.program_id(0) * block_n
+    r0, split = pl.program_id(0) * block_n, pl.program_id(1)
     rows = pl.ds(r0, block_n)
     row_ok = (r0 + jnp.arange(block_n)) < n  # the last program's rows past N read zeros
     n_planes, m_pad, width = x_ref.shape[0], x_ref.shape[1], x_ref.shape[2] // w_refs[0].shape[1]
 
     def body(i, acc):
+        i = split * steps + i
+
         def get(name, *idx):
             ref = w[name]
             ndim = ref.ndim - sum(isinstance(j, int) for j in idx)
@@ -189,15 +202,16 @@ def _kernel(fmt: str, n: int, step: int, block_n: int, names: tuple[str, ...], *
                                             preferred_element_type=jnp.float32)
         return acc
 
-    units = w_refs[0].shape[1]
-    acc = jax.lax.fori_loop(0, units // step, body, jnp.zeros((m_pad, block_n), jnp.float32))
-    o_ref[:, pl.ds(r0, block_n)] = acc
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((m_pad, block_n), jnp.float32))
+    o_ref[split, :, pl.ds(r0, block_n)] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "columns", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages",
+                                             "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
-            num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64 (x and the dequantized tiles in bf16)."""
+            splits: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64 (x and the dequantized tiles in bf16); K is
+    split over `splits` programs per row tile (default: `default_splits`)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -207,16 +221,21 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     m_pad = dot_tile(m)
     block_n = block_n or default_tiles(m_pad)[0]
     columns = columns or default_tiles(m_pad)[1]
+    step = units_per_step(pw.fmt, k, columns)
+    total = k // unit(pw.fmt, k) // step
+    splits = splits or default_splits(n, total, block_n)
+    if total % splits:
+        raise ValueError(f"{total} K steps do not split {splits} ways")
     xb = jnp.zeros((m_pad, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
     xp = xb[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)  # [planes, M, K / planes] in each plane's order
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_kernel, pw.fmt, n, units_per_step(pw.fmt, k, columns), block_n, names),
-        out_shape=jax.ShapeDtypeStruct((m_pad, tiles * block_n), jnp.float32),
-        grid=(tiles,),
+        functools.partial(_kernel, pw.fmt, n, step, total // splits, block_n, names),
+        out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
+        grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"qmatmul_{pw.fmt.lower()}",
     )(xp, *(pw.data[name] for name in names))
-    return out[:m, :n]
+    return (out[0] if splits == 1 else jnp.sum(out, axis=0))[:m, :n]

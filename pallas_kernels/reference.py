@@ -38,16 +38,18 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
 
 
 def gdn_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-              anc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+              anc: jax.Array, layer: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated delta rule over N tokens whose state-sharing is given by an ancestor-or-self mask.
 
     Args:
       q, k: [N, H, dk] (q already scaled, both L2-normalised); v: [N, H, dv]; g (log-decay <= 0), beta: [N, H];
-      s0: [H, dk, dv] state before the block; anc: [N, N] bool, anc[i, j] = j is i or an ancestor of i, with
-      parents before children (lower-triangular).
+      s0: [H, dk, dv] state before the block (or stacked [layers, H, dk, dv], of which `layer` is read);
+      anc: [N, N] bool, anc[i, j] = j is i or an ancestor of i, with parents before children (lower-triangular).
     Returns:
       o [N, H, dv] (each token's output along its own path), v_new [N, H, dv] (V'), gamma [N, H] (path log-decay).
     """
+    if layer is not None:
+        s0 = s0[layer]
     q, k, v, g, beta, s0 = map(_f32, (q, k, v, g, beta, s0))
     incl = anc.astype(jnp.float32)
     eye = jnp.eye(anc.shape[0], dtype=jnp.float32)
@@ -81,11 +83,14 @@ def gdn_path_state(k: jax.Array, v_new: jax.Array, gamma: jax.Array, s0: jax.Arr
 
 
 def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-                chunk: int = 64) -> tuple[jax.Array, jax.Array]:
-    """Causal gated delta rule in chunks (prefill). Shapes as `gdn_block` with T tokens; returns (o, final state).
+                chunk: int = 64, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Causal gated delta rule in chunks (prefill). Shapes as `gdn_block` with T tokens (`layer` too); returns
+    (o, final state).
 
     T is padded to a multiple of the chunk with tokens that leave the state alone (g = 0, beta = 0, k = 0).
     """
+    if layer is not None:
+        s0 = s0[layer]
     n = q.shape[0]
     pad = (-n) % chunk
     padded = [jnp.pad(_f32(x), [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
@@ -132,12 +137,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
-                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array) -> jax.Array:
+                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, layer: int | None = None) -> jax.Array:
     """Attention of a block of N tokens over a committed prefix plus the block's own keys (tree_attention.py).
 
-    q [N, Hq, d]; k/v_cache [S, Hkv, d], of which query i sees slots prefix_lo[i] <= s < length; k/v_blk [N, Hkv, d],
-    of which query i sees key j where blk_mask[i, j]. Returns float32 [N, Hq, d].
+    q [N, Hq, d]; k/v_cache [S, Hkv, d] (or stacked [layers, S, Hkv, d], of which `layer` is read), of which query i
+    sees slots prefix_lo[i] <= s < length; k/v_blk [N, Hkv, d], of which query i sees key j where blk_mask[i, j].
+    Returns float32 [N, Hq, d].
     """
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
     slot = jnp.arange(k_cache.shape[0])
     prefix = (slot[None, :] < length) & (slot[None, :] >= prefix_lo[:, None])
     keys = jnp.concatenate([_f32(k_cache), _f32(k_blk)])

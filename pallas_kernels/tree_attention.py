@@ -34,8 +34,8 @@ def default_splits(slots: int) -> int:
     return max(1, min(32, -(-slots // 1024)))
 
 
-def _kernel(splits: int, br: int, block_k: int, len_ref, q_ref, lo_ref, mask_ref, kc_ref, vc_ref, kb_ref, vb_ref,
-            o_ref, m_ref, l_ref):
+def _kernel(splits: int, br: int, block_k: int, len_ref, layer_ref, q_ref, lo_ref, mask_ref, kc_ref, vc_ref, kb_ref,
+            vb_ref, o_ref, m_ref, l_ref):
     r_tile, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(r_tile * br, br)
     q = q_ref[h, rows, :]  # [br, d] bf16, scaled
@@ -63,8 +63,8 @@ def _kernel(splits: int, br: int, block_k: int, len_ref, q_ref, lo_ref, mask_ref
 
     @pl.when(split < splits)
     def _prefix():
-        length = len_ref[0]
-        slots = kc_ref.shape[0]
+        length, layer = len_ref[0], layer_ref[0]
+        slots = kc_ref.shape[1]
         chunk = pl.cdiv(pl.cdiv(length, splits), block_k) * block_k
         start = split * chunk
         end = jnp.minimum(start + chunk, length)
@@ -77,8 +77,8 @@ def _kernel(splits: int, br: int, block_k: int, len_ref, q_ref, lo_ref, mask_ref
             s0 = jnp.minimum(want, slots - block_k)
             slot = s0 + jnp.arange(block_k)
             ok = (slot >= want) & (slot < end)
-            k = kc_ref[pl.ds(s0, block_k), h, :]
-            v = vc_ref[pl.ds(s0, block_k), h, :]
+            k = kc_ref[layer, pl.ds(s0, block_k), h, :]
+            v = vc_ref[layer, pl.ds(s0, block_k), h, :]
             visible = ok[None, :] & (slot[None, :] >= lo[:, None])
             return update(carry, k, v, visible)
 
@@ -92,13 +92,21 @@ def _kernel(splits: int, br: int, block_k: int, len_ref, q_ref, lo_ref, mask_ref
 @functools.partial(jax.jit, static_argnames=("splits", "block_rows", "block_k", "num_warps", "num_stages",
                                              "interpret"))
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
-                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, *, splits: int | None = None,
-                   block_rows: int = 32, block_k: int = 64, num_warps: int = 4, num_stages: int = 2,
-                   interpret: bool = False) -> jax.Array:
+                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
+                   splits: int | None = None, block_rows: int = 32, block_k: int = 64, num_warps: int = 4,
+                   num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """Attention of q [N, Hq, d] over k/v_cache [S, Hkv, d] slots prefix_lo[i]..length-1 and the block's own
-    k/v_blk [N, Hkv, d] where blk_mask [N, N]; float32 [N, Hq, d]. Every query must see at least one key."""
+    k/v_blk [N, Hkv, d] where blk_mask [N, N]; float32 [N, Hq, d]. Every query must see at least one key.
+
+    With `layer`, k/v_cache are stacked [layers, S, Hkv, d] and the kernel reads that layer: a slice of a stack
+    passed to the kernel would be copied out first. The layer is an operand, not a constant, so that one compiled
+    kernel serves every layer."""
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    if k_cache.ndim != 4:
+        raise ValueError(f"caches {k_cache.shape} with a layer: give stacked caches [layers, S, Hkv, d]")
     n, hq, d = q.shape
-    s, hkv, _ = k_cache.shape
+    _, s, hkv, _ = k_cache.shape
     if hq % hkv or k_blk.shape != (n, hkv, d) or v_cache.shape != k_cache.shape or v_blk.shape != k_blk.shape:
         raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, "
                          f"block {k_blk.shape} {v_blk.shape}")
@@ -107,7 +115,9 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     group = hq // hkv
     splits = splits or default_splits(s)
     if s < block_k:  # a cache smaller than one key block (tests, tiny contexts): pad it, it is small
-        k_cache, v_cache = (jnp.pad(c, ((0, block_k - s), (0, 0), (0, 0))) for c in (k_cache, v_cache))
+        k_cache, v_cache = (jnp.pad(jax.lax.dynamic_index_in_dim(c, layer, keepdims=True),
+                                    ((0, 0), (0, block_k - s), (0, 0), (0, 0))) for c in (k_cache, v_cache))
+        layer = 0
     rows = n * group
     r_pad = pl.cdiv(rows, block_rows) * block_rows
     n_pad = dot_tile(n)
@@ -127,7 +137,8 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(jnp.reshape(length, (1,)).astype(jnp.int32), qf, lo, mask, k_cache, v_cache, kb, vb)
+    )(jnp.reshape(length, (1,)).astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qf, lo, mask, k_cache,
+      v_cache, kb, vb)
     top = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - top)  # [hkv, parts, r_pad]; 0 for parts that saw no key
     total = jnp.sum(w * l, axis=1)

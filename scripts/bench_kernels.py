@@ -5,7 +5,8 @@
 qmatmul: every 27B matrix shape in its Q4_K_M type, at M = 1 and M = 32 tokens, against XLA's dequantize-then-dot
 on the same weights. Rate = the weight's GGUF bytes / time (the packed layout reads up to 2.8% more; both are
 listed). Each timed call runs the product over enough copies of the weight to be several times the L2, so the
-weights stream from HBM and dispatch is a small part of the time. `--sweep` also times tile variants.
+weights stream from HBM and dispatch is a small part of the time. `--sweep` also times tile variants, `--splits`
+the K split over 1, 2, 4 and 8 programs.
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
@@ -73,7 +74,8 @@ def _copies(fmt: str, n: int, k: int):
     return [random_qtensor(jax.random.key(i), fmt, (n, k)) for i in range(reps)], one.nbytes
 
 
-def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None) -> list[dict]:
+def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None,
+                  splits: bool = False) -> list[dict]:
     rows = []
     for name, fmt, n, k in SHAPES:
         if only and f"{name}:{fmt}" not in only:
@@ -87,6 +89,8 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
             if sweep:
                 variants += [dict(block_n=bn, columns=c, num_warps=nw)
                              for bn in (16, 32, 64) for c in (256, 512, 1024) for nw in (4, 8)]
+            if splits:
+                variants += [dict(splits=sp) for sp in (1, 2, 4, 8)]
             for opts in variants:
                 try:
                     run = jax.jit(lambda x, ws, o=opts: [qm.qmatmul(x, w, **o) for w in ws])
@@ -102,7 +106,7 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
                 print(f"  {name:12s} {fmt} M={m:2d} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
                       f"{gguf_bytes / t / 1e12:5.2f} TB/s  {gguf_bytes / t / copy:5.2f} of copy  err {err:.1e}",
                       flush=True)
-            if not sweep or m == ms[0]:
+            if not (sweep or splits) or m == ms[0]:
                 xla = jax.jit(lambda x, ws: [jnp.dot(x, dequantize(w).astype(jnp.bfloat16).T,
                                                      preferred_element_type=jnp.float32) for w in ws])
                 t = median_seconds(xla, x, qts) / len(qts)
@@ -253,6 +257,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="results JSON")
     ap.add_argument("--sweep", action="store_true", help="also time tile variants of qmatmul")
+    ap.add_argument("--splits", action="store_true", help="also time qmatmul with K split over 1, 2, 4, 8 programs")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32], help="token counts for qmatmul")
     ap.add_argument("--only", nargs="+", help="matrices to run, as NAME:FMT (e.g. ffn_down:Q6_K)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
@@ -263,7 +268,7 @@ def main() -> None:
     print(f"{env}\ncopy rate {copy / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     if "qmatmul" in args.kernels:
-        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()))
+        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits)
     if "tree_attention" in args.kernels:
         rows += bench_tree_attention(copy, args.sweep)
     if "gdn" in args.kernels:

@@ -46,6 +46,20 @@ def test_tree_kernel_matches_reference(n):
         assert a.shape == b.shape and rel(a, b) < TOL, name
 
 
+def test_kernels_read_a_layer_of_the_stacked_state():
+    """With `layer`, s0 is the stacked state [layers, H, dk, dv] (the decode state's) and that layer is read."""
+    *x, s0 = inputs(4, 23, 3, 16, 64)
+    anc = random_anc(4, 23)
+    stacked = jnp.stack([s0 + 5.0, s0, s0 - 5.0])
+    want = ref.gdn_block(*x, s0, anc)
+    for got in (ref.gdn_block(*x, stacked, anc, 1), gdn.gdn_tree(*x, stacked, anc, layer=1, interpret=INTERPRET)):
+        for name, a, b in zip(("o", "v_new", "gamma"), got, want):
+            assert rel(a, b) < TOL, name
+    want = ref.gdn_chunked(*x, s0)
+    for got in (ref.gdn_chunked(*x, stacked, layer=1), gdn.gdn_chunked(*x, stacked, layer=1, interpret=INTERPRET)):
+        assert rel(got[0], want[0]) < TOL and rel(got[1], want[1]) < TOL
+
+
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 130])
 def test_chunked_kernel_matches_reference(t):
     x = inputs(t, t, 2, 16, 32)

@@ -71,6 +71,25 @@ def test_tiles_of_every_width_agree():
         assert rel(got, ref) < 4e-3, (block_n, columns)
 
 
+def test_k_splits_agree():
+    """Partial products of K split over 1, 2 and 4 programs add up to the same product; a split that does not
+    divide the K steps is refused."""
+    pw = qm.pack(weight("Q6_K", 24, 1024, seed=2))
+    x = jax.random.normal(jax.random.key(2), (2, 1024), jnp.float32)
+    ref = qm.qmatmul_reference(x, pw)
+    for splits in (1, 2, 4):
+        assert rel(qm.qmatmul(x, pw, columns=256, splits=splits, interpret=not ON_GPU), ref) < 4e-3, splits
+    with pytest.raises(ValueError, match="do not split 3 ways"):
+        qm.qmatmul(x, pw, columns=256, splits=3, interpret=True)
+
+
+def test_default_splits_fill_the_gpu_only_when_needed():
+    assert qm.default_splits(5120, 68, 32) == 4  # ffn_down at M = 1: 160 row tiles
+    assert qm.default_splits(5120, 34, 64) == 2  # ... at M = 32: 34 steps take no 4-way split
+    assert qm.default_splits(17408, 20, 32) == 1  # ffn_gate: 544 row tiles are enough
+    assert qm.default_splits(48, 10, 32) == 2
+
+
 def test_bad_inputs_raise():
     pw = qm.pack(weight("Q8_0", 16, 64))
     with pytest.raises(ValueError, match="columns"):

@@ -69,6 +69,23 @@ def test_bf16_cache_and_slots_past_length_are_ignored():
     assert rel(got, ref.tree_attention(*args)) < 1e-2
 
 
+@pytest.mark.parametrize("slots", [40, 130])  # smaller than a key block (padded), and not a multiple of one
+def test_layer_of_stacked_caches(slots):
+    """With `layer`, the kernel reads that layer of stacked [layers, S, Hkv, d] caches (the target's and drafter's
+    decode state) as the reference does; the other layers hold garbage that must not leak in."""
+    n, length, layers, layer = 7, slots - 9, 3, 1
+    q, kc, vc, kb, vb = inputs(slots, n, 4, 2, 32, slots)
+    kc_all, vc_all = (jnp.full((layers,) + c.shape, 1e4, c.dtype).at[layer].set(c) for c in (kc, vc))
+    blk = jnp.asarray(random_ancestors(np.random.default_rng(slots), n))
+    lo = jnp.zeros(n, jnp.int32)
+    want = ref.tree_attention(q, kc, vc, jnp.int32(length), kb, vb, blk, lo)
+    stacked = (q, kc_all, vc_all, jnp.int32(length), kb, vb, blk, lo)
+    assert rel(ref.tree_attention(*stacked, layer), want) == 0.0
+    assert rel(tree_attention(*stacked, layer=layer, splits=2, interpret=not ON_GPU), want) < 1e-2
+    with pytest.raises(ValueError, match="give stacked caches"):
+        tree_attention(q, kc, vc, jnp.int32(length), kb, vb, blk, lo, layer=0, interpret=not ON_GPU)
+
+
 def test_bad_shapes_raise():
     q, kc, vc, kb, vb = inputs(0, 4, 6, 4, 32, 64)
     with pytest.raises(ValueError, match="shapes do not fit"):

@@ -131,12 +131,12 @@ def extend_context(params: dict, cfg: DraftConfig, state: DraftState, taps: jax.
     n = taps.shape[0]
     fused = rms_norm(linear(taps.reshape(n, -1), params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
     pos = state.length + jnp.arange(n)
-    ks, vs = [], []
+    k_all, v_all = state.k, state.v
     for layer, p in enumerate(params["layers"]):
         k, v = _kv(p, cfg, fused, pos)
-        ks.append(write_rows(state.k[layer], k, state.length, axis=0))
-        vs.append(write_rows(state.v[layer], v, state.length, axis=0))
-    return DraftState(k=jnp.stack(ks), v=jnp.stack(vs), length=state.length + n_valid)
+        k_all = write_rows(k_all, k, state.length, layer)
+        v_all = write_rows(v_all, v, state.length, layer)
+    return DraftState(k=k_all, v=v_all, length=state.length + n_valid)
 
 
 def _visibility(cfg: DraftConfig, layer: int, length: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -175,7 +175,7 @@ def draft_hidden(params: dict, cfg: DraftConfig, state: DraftState, target_param
         q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, hd, cfg.rope_theta)
         k, v = _kv(p, cfg, u, pos)
         blk_mask, prefix_lo = _visibility(cfg, layer, state.length)
-        o = kernels.tree_attention(q, state.k[layer], state.v[layer], state.length, k, v, blk_mask, prefix_lo, impl)
+        o = kernels.tree_attention(q, state.k, state.v, state.length, k, v, blk_mask, prefix_lo, impl, layer)
         x = x + linear(o.reshape(b, -1), p["wo"])
         x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"])
     return rms_norm(x, params["norm"], cfg.rms_norm_eps)

@@ -30,8 +30,11 @@ def swiglu(x: jax.Array, w_gate: QTensor, w_up: QTensor, w_down: QTensor) -> jax
     return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
-def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, axis: int) -> jax.Array:
-    """cache with rows written at start.. along axis; rows past the end are dropped (a padded last chunk)
-    rather than shifting the write back over committed slots, as dynamic_update_slice would."""
-    idx = (slice(None),) * axis + (start + jnp.arange(rows.shape[axis]),)
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, layer: int | None = None) -> jax.Array:
+    """A stacked cache [layers, slots, ...] with rows written at slots start..: rows [n, ...] into one layer, or
+    [layers, n, ...] into every layer. Rows past the end are dropped (a padded last chunk) rather than shifting the
+    write back over committed slots, as dynamic_update_slice would. Writing one layer of the stacked cache (not a
+    slice of it, then a stack) lets a jitted function update a donated cache in place."""
+    slots = start + jnp.arange(rows.shape[0 if layer is not None else 1])
+    idx = (layer, slots) if layer is not None else (slice(None), slots)
     return cache.at[idx].set(rows.astype(cache.dtype), mode="drop")

@@ -93,9 +93,10 @@ def _conv_index(block: Block, kernel: int) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Layers
 
-def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
                length: jax.Array, block: Block, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gated full attention over the committed cache plus the block's ancestors; writes the block's KV."""
+    """Gated full attention over the committed cache plus the block's ancestors; writes the block's KV into
+    `layer` of the stacked caches k/v_all [attn_layers, slots, kv_heads, head_dim]."""
     n, hd = u.shape[0], cfg.head_dim
     qg = linear(u, p["wq"]).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
     q, gate = qg[..., :hd], qg[..., hd:].reshape(n, cfg.num_heads * hd)
@@ -104,11 +105,13 @@ def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_cache: jax.Array, v_c
     pos = length + block.depth
     q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
     k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
-    o = kernels.tree_attention(q, k_cache, v_cache, length, k, v, block.anc, jnp.zeros(n, jnp.int32), impl)
+    # written before the read (attention sees slots < length only): a read of the old cache still to come would
+    # make XLA copy the whole cache to write it
+    k_all = write_rows(k_all, k, length, layer)
+    v_all = write_rows(v_all, v, length, layer)
+    o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), impl, layer)
     o = o.reshape(n, cfg.num_heads * hd)
-    k_cache = write_rows(k_cache, k, length, axis=0)
-    v_cache = write_rows(v_cache, v, length, axis=0)
-    return linear(o * jax.nn.sigmoid(gate), p["wo"]), k_cache, v_cache
+    return linear(o * jax.nn.sigmoid(gate), p["wo"]), k_all, v_all
 
 
 @jax.tree_util.register_dataclass
@@ -167,34 +170,33 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
     """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
     verify (tree) leaves it and returns what the commit needs."""
     x = embed_tokens(params, tokens)
-    k_cache, v_cache, conv, ssm = list(state.k), list(state.v), list(state.conv), list(state.ssm)
+    k_all, v_all, conv, ssm = state.k, state.v, state.conv, state.ssm
     tap_out, carries = {}, []
     conv_index = _conv_index(block, cfg.conv_kernel)
     ia = ig = 0
     for i, p in enumerate(params["layers"]):
         u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == FULL_ATTENTION:
-            out, k_cache[ia], v_cache[ia] = _attention(p, cfg, u, k_cache[ia], v_cache[ia], state.length, block,
-                                                       impl)
+            out, k_all, v_all = _attention(p, cfg, u, k_all, v_all, ia, state.length, block, impl)
             ia += 1
         else:
             q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], conv_index, impl)
             if prefill_valid is None:
-                o, v_new, gamma = kernels.gdn_tree(q, k, v, g, beta, ssm[ig], block.anc, impl)
+                o, v_new, gamma = kernels.gdn_tree(q, k, v, g, beta, ssm, block.anc, impl, ig)
                 carries.append(GDNCarry(k, v_new, gamma, conv_in))
             else:
                 real = (jnp.arange(tokens.shape[0]) < prefill_valid)[:, None]
-                o, ssm[ig] = kernels.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
-                                                 jnp.where(real, beta, 0.0), ssm[ig], impl)
-                conv[ig] = conv_in[conv_index[prefill_valid - 1, 1:]]
+                o, s = kernels.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
+                                           jnp.where(real, beta, 0.0), ssm, impl, ig)
+                ssm = ssm.at[ig].set(s)
+                conv = conv.at[ig].set(conv_in[conv_index[prefill_valid - 1, 1:]])
             out = _gdn_output(p, cfg, o, z)
             ig += 1
         x = x + out
         x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"])
         if i in taps:
             tap_out[i] = x
-    state = dataclasses.replace(state, k=jnp.stack(k_cache), v=jnp.stack(v_cache),
-                                conv=jnp.stack(conv), ssm=jnp.stack(ssm))
+    state = dataclasses.replace(state, k=k_all, v=v_all, conv=conv, ssm=ssm)
     # taps come out in the order asked for (the drafter concatenates them in its target_layer_ids order)
     tapped = jnp.stack([tap_out[i] for i in taps], axis=1) if taps else jnp.zeros((tokens.shape[0], 0, cfg.hidden_size))
     return x, tapped, state, Verified(block, conv_index, tuple(carries))
@@ -251,20 +253,28 @@ def path_nodes(block: Block, leaf: jax.Array, width: int) -> jax.Array:
     return jnp.argmax(at_depth, axis=1)
 
 
-def commit(state: TargetState, verified: Verified, leaf: jax.Array, impl: str = "reference") -> TargetState:
-    """Accept the root-to-leaf path ending at node `leaf`: compact its KV, take its GDN state, advance length."""
+def commit(state: TargetState, verified: Verified, leaf: jax.Array, impl: str = "reference",
+           skip: jax.Array | bool = False) -> TargetState:
+    """Accept the root-to-leaf path ending at node `leaf`: compact its KV, take its GDN state, advance length.
+
+    With `skip` (traced) nothing is accepted: the GDN state, conv state and length stay as they were (the path's
+    keys still move within the uncommitted slots, which nothing reads)."""
     block = verified.block
     n = block.depth.shape[0]
     path = block.anc[leaf]  # [N]
     src = state.length + path_nodes(block, leaf, n)  # slot of the path node at each depth
 
     def compact(cache):  # [layers, slots, ...]: path node at depth d moves to slot length + d
-        return write_rows(cache, jnp.take(cache, src, axis=1), state.length, axis=1)
+        if n == 1:  # already in place; and with a constant leaf the write would not wait for verify's reads of the
+            return cache  # cache, so XLA would copy the whole cache to make it
+        return write_rows(cache, jnp.take(cache, src, axis=1), state.length)
 
-    conv_rows = verified.conv_index[leaf, 1:]
+    kept = verified.conv_index.shape[1] - 1  # conv_in's first rows are the committed conv state
+    conv_rows = jnp.where(skip, jnp.arange(kept), verified.conv_index[leaf, 1:])
     carries = verified.carries
-    ssm = kernels.gdn_commit(state.ssm, [c.k for c in carries], [c.v_new for c in carries],
-                             [c.gamma for c in carries], path, leaf, impl)
+    # zero keys and log-decays make the path commit exp(0) S0 + 0 = S0, in every kernel, with no select of the state
+    ssm = kernels.gdn_commit(state.ssm, [jnp.where(skip, 0.0, c.k) for c in carries], [c.v_new for c in carries],
+                             [jnp.where(skip, 0.0, c.gamma) for c in carries], path, leaf, impl)
     conv = [c.conv_in[conv_rows] for c in carries]
-    return dataclasses.replace(state, k=compact(state.k), v=compact(state.v), ssm=ssm,
-                               conv=jnp.stack(conv), length=state.length + block.depth[leaf] + 1)
+    return dataclasses.replace(state, k=compact(state.k), v=compact(state.v), ssm=ssm, conv=jnp.stack(conv),
+                               length=state.length + jnp.where(skip, 0, block.depth[leaf] + 1))
