@@ -1,15 +1,20 @@
 """scripts/train_tiny_pair.py end to end at toy size on the CPU: corpus, BPE, target and drafter training lower their
 losses, and what it writes is a pair the engine loads and decodes losslessly with."""
 
+import email
 import json
+import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import ROOT
 
-ARGS = ["--roots", str(ROOT / "dflash_jax"), "--held_out", "0.3", "--vocab", "384", "--hidden", "64", "--layers", "4",
+# The standard library's email package: a corpus that does not change with this repository's code, so the losses
+# below are the same on every commit.
+ARGS = ["--roots", str(Path(email.__file__).parent), "--held_out", "0.3", "--vocab", "384", "--hidden", "64", "--layers", "4",
         "--ffn", "128", "--seq_len", "64", "--batch", "4", "--target_steps", "24", "--lr", "1e-2", "--draft_layers",
         "1", "--taps", "2", "--block_size", "8", "--draft_steps", "24", "--draft_lr", "3e-3", "--anchors", "4",
         "--log_every", "4", "--eval_every", "24", "--save_every", "12"]
@@ -39,9 +44,11 @@ def test_the_script_trains_a_pair_that_lowers_its_losses(toy_run):
     draft = json.loads((toy_run / "draft_report.json").read_text())
     t, d = _losses(target["history"]), _losses(draft["history"])
     assert len(t) == len(d) == 6
-    assert t[-1] < t[0] - 0.5, t  # from about ln(384) = 5.95
+    # Batch losses of 4 sequences are noisy; the held-out loss is over the whole test split.
+    assert target["held_out"]["loss"] < math.log(384) - 0.8, target["held_out"]  # ln(384) = 5.95: untrained
+    assert np.mean(t[-2:]) < t[0], t
     assert np.mean(d[-2:]) < np.mean(d[:2]), d
-    assert target["held_out"]["loss"] < t[0] and set(target["completions"]) and target["gguf_bytes"] > 0
+    assert set(target["completions"]) and target["gguf_bytes"] > 0
     corpus = json.loads((toy_run / "corpus.json").read_text())
     assert any(held for _, _, held in corpus["files"]) and all(len(h) == 16 for _, h, _ in corpus["files"])
     prompts = [json.loads(line) for line in (toy_run / "heldout_prompts.jsonl").read_text().splitlines()]
