@@ -131,7 +131,9 @@ class EngineConfig:
     mode: str = "ddtree"
     budget: int = 22
     topk: int = 8
-    chain_seed: bool = True
+    # None: seed only when the budget exceeds the draft's depth (block size - 1). Within the depth a seeded tree is
+    # the top-1 chain alone (every node goes to it), so a small budget would be chain decoding, not a tree.
+    chain_seed: bool | None = None
     max_ctx: int = 4096  # committed tokens the caches hold (prompt + generated)
     kv_dtype: str = "float32"
 
@@ -143,6 +145,10 @@ class EngineConfig:
         _check(self.topk >= 1, f"topk {self.topk} must be at least 1 (a top-K wider than the budget is cut to it)")
         _check(self.max_ctx >= 2, f"max_ctx {self.max_ctx} must be at least 2")
         _check(self.kv_dtype in ("float32", "bfloat16"), f"kv_dtype {self.kv_dtype!r}: float32 or bfloat16")
+
+    def seeds_chain(self, depth: int) -> bool:
+        """Whether the DDTree starts from the top-1 chain, for a draft of `depth` rows."""
+        return self.chain_seed if self.chain_seed is not None else self.budget > depth
 
 
 def _check(ok: bool, message: str) -> None:

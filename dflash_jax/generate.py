@@ -26,6 +26,8 @@ from dflash_jax.config import EngineConfig
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, load_tokenizer
 
+GPU_BUDGET = 22
+CPU_BUDGET = 8  # budgets 4-12 without the chain seed beat 22 with it on two CPU cores (README "Budgets on a CPU")
 CTX_ROUND = 256  # --max_ctx 0 fits prompt + n_gen, rounded up to this (fewer distinct cache shapes to compile)
 USAGE_ERROR = 2
 
@@ -122,6 +124,34 @@ def _backend() -> str:
     return f"{jax.default_backend()}, {jax.devices()[0].device_kind}"
 
 
+def default_budget() -> int:
+    """The DDTree budget when --budget is not given: GPU_BUDGET on an accelerator, CPU_BUDGET on a CPU."""
+    import jax
+
+    return CPU_BUDGET if jax.default_backend() == "cpu" else GPU_BUDGET
+
+
+def engine_config(f, **extra) -> EngineConfig:
+    """The EngineConfig of the decoding flags (the budget defaults by backend; the chain seed by the budget)."""
+    budget = f.budget if f.budget is not None else default_budget()
+    return EngineConfig(mode=f.mode, budget=budget, topk=f.topk, chain_seed=f.chain_seed, **extra)
+
+
+def tree_settings(ecfg: EngineConfig, engine) -> dict:
+    """A DDTree's budget, top-K and chain seed as the engine uses them (empty for the other modes)."""
+    if ecfg.mode != "ddtree":
+        return {}
+    return dict(budget=ecfg.budget, topk=min(ecfg.topk, ecfg.budget), chain_seed=ecfg.seeds_chain(engine.width - 1))
+
+
+def describe(ecfg: EngineConfig, engine) -> str:
+    """The mode and, for a DDTree, its settings, as --stats prints them."""
+    if ecfg.mode != "ddtree":
+        return ecfg.mode
+    t = tree_settings(ecfg, engine)
+    return f"ddtree: budget {t['budget']}, top-K {t['topk']}, {'' if t['chain_seed'] else 'no '}chain seed"
+
+
 def run(argv: Sequence[str]) -> int:
     """The command; returns its exit code."""
     from absl import flags, logging
@@ -138,7 +168,7 @@ def run(argv: Sequence[str]) -> int:
         raise UsageError("pass either --prompt or --prompt_ids, not both")
     check_profile_dir(f.profile)
     target_path, draft_path = resolve_paths(f.target, f.draft)
-    ecfg = EngineConfig(mode=f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed)  # checks the values
+    ecfg = engine_config(f)  # checks the values
     if f.prompt_ids is not None:
         ids = read_ids(f.prompt_ids, flag="--prompt_ids").tolist()
         fit_max_ctx(f.max_ctx, len(ids), f.n_gen)  # before loading anything
@@ -171,7 +201,7 @@ def run(argv: Sequence[str]) -> int:
                 tracer.close()  # generation ended before the traced steps were done, or raised
     if f.json:
         out = dict(prompt_ids=list(map(int, ids)), tokens=gen.tokens, text=tok.decode(gen.tokens, skip_stops=True),
-                   mode=f.mode,
+                   mode=f.mode, **tree_settings(ecfg, engine),
                    accept_lengths=gen.accept_lengths, steps=gen.steps, mean_accept_length=gen.mean_accept_length,
                    stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
@@ -185,7 +215,7 @@ def run(argv: Sequence[str]) -> int:
         sys.stdout.write(decoder.flush() + "\n")
     if f.stats:
         emitted = sum(gen.accept_lengths)
-        print(f"[{f.mode}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill {gen.prefill_s:.2f} s "
+        print(f"[{describe(ecfg, engine)}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill {gen.prefill_s:.2f} s "
               f"(with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over {gen.steps} steps, "
               f"acceptance length {gen.mean_accept_length:.2f}: first step {gen.first_step_s:.2f} s (with "
               f"compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}", file=sys.stderr)
@@ -210,7 +240,7 @@ def engine_from_flags(argv: Sequence[str]):
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     enable_jit_cache(f.jit_cache)
     target_path, draft_path = resolve_paths(f.target, f.draft)
-    ecfg = EngineConfig(mode=f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed, max_ctx=f.max_ctx)
+    ecfg = engine_config(f, max_ctx=f.max_ctx)
     if f.n_gen >= f.max_ctx:
         raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
     models = load_models(target_path, draft_path, f.mode)
@@ -251,10 +281,13 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_integer("n_gen", n_gen, n_gen_help, lower_bound=min(n_gen, 1))
     flags.DEFINE_enum("mode", "ddtree", ["ar", "chain", "ddtree"], "Decoding: autoregressive, the draft's block "
                       "as a chain, or a DDTree.")
-    flags.DEFINE_integer("budget", 22, "DDTree nodes besides the root.", lower_bound=1)
+    flags.DEFINE_integer("budget", None, f"DDTree nodes besides the root (default: {GPU_BUDGET} on a GPU, as the "
+                         f"C++ engine; {CPU_BUDGET} on a CPU, where verifying a node costs a large part of an AR "
+                         "step).", lower_bound=1)
     flags.DEFINE_integer("topk", 8, "DDTree candidates per depth.", lower_bound=1)
-    flags.DEFINE_boolean("chain_seed", True, "Seed the DDTree with the draft's top-1 chain before best-first "
-                         "expansion (as the C++ engine does).")
+    flags.DEFINE_boolean("chain_seed", None, "Seed the DDTree with the draft's top-1 chain before best-first "
+                         "expansion, as the C++ engine does (default: when the budget exceeds the draft's depth; "
+                         "within it a seeded tree is the chain alone).")
     flags.DEFINE_integer("max_ctx", max_ctx, max_ctx_help, lower_bound=0)
     flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")

@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--n_gen", type=int, default=128)
     ap.add_argument("--budgets", default="4,8,16,22,32")
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--chain_seed", choices=["on", "off", "auto"], default="on",
+                    help="DDTree chain seed; auto: the engine's default (only past the draft's depth). The results "
+                         "in scripts/results/tiny_acceptance_* were made with on")
     ap.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"],
                     help="kernels: auto is pallas on a GPU")
     ap.add_argument("--out", type=Path, required=True, help="results JSON (a .txt table is written beside it)")
@@ -80,6 +83,7 @@ def main() -> None:
     report = {"target": str(target_path), "draft": str(draft_path), "device": getattr(dev, "device_kind", str(dev)),
               "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
               "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": args.topk,
+              "chain_seed": args.chain_seed,
               "impl": target.impl, "sets": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.sets.split(","):
@@ -93,7 +97,8 @@ def main() -> None:
             if args.time_limit and time.monotonic() - t_start > args.time_limit:
                 print(f"--time_limit: stopping before {name} {mode} {budget}", file=sys.stderr)
                 break
-            ecfg = EngineConfig(mode=mode, budget=budget or 22, topk=args.topk, max_ctx=max_ctx)
+            ecfg = EngineConfig(mode=mode, budget=budget or 22, topk=args.topk, max_ctx=max_ctx,
+                                chain_seed={"on": True, "off": False, "auto": None}[args.chain_seed])
             outputs, r = measure(Engine.from_loaded(target, draft if mode != "ar" else None, ecfg), prompts,
                                  args.n_gen, tok.stop_ids, reference)
             if mode == "ar":
@@ -109,7 +114,8 @@ def main() -> None:
 def table(report: dict) -> str:
     """The results as a text table: AL and tok/s per set and configuration, with the speedup over AR."""
     lines = [f"# {report['device']} ({report['backend']}, impl {report['impl']}), jax {report['jax']}, "
-             f"{report['date']}; n_gen {report['n_gen']}, top-K {report['topk']}",
+             f"{report['date']}; n_gen {report['n_gen']}, top-K {report['topk']}, chain seed "
+             f"{report.get('chain_seed', 'on')}",
              f"{'set':>12} {'mode':>6} {'budget':>6} {'AL':>6} {'tok/s':>9} {'vs AR':>6} {'same as AR':>11}"]
     for name, s in report["sets"].items():
         ar = next((r["tok_s"] for r in s["results"] if r["mode"] == "ar"), None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -32,7 +33,7 @@ from benchlib import copy_rate, environment, fit_verify_cost  # noqa: E402
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
-from dflash_jax.engine.step import DFlashDrafter, emit_width  # noqa: E402
+from dflash_jax.engine.step import DFlashDrafter, emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
@@ -152,11 +153,7 @@ def phase_times(engine: Engine, state, iters: int, only_verify: bool = False) ->
     width = emit_width(ecfg, drafter.block_size)
     taps = drafter.taps
     draft_fn = jax.jit(lambda dp, ds, tp, root, pos: drafter.propose(dp, ds, tp, root, pos, width - 1))
-    if ecfg.mode == "chain":
-        build_fn = jax.jit(tree_lib.chain_tree)
-    else:
-        build_fn = jax.jit(lambda root, logits: tree_lib.build_tree(root, logits, ecfg.budget,
-                                                                    min(ecfg.topk, ecfg.budget), ecfg.chain_seed))
+    build_fn = jax.jit(functools.partial(step_tree, ecfg))
     verify_fn = jax.jit(lambda tp, ts, tokens, parents: target_model.verify(tp, tcfg, ts, tokens, parents, taps,
                                                                             impl), donate_argnums=(1,))
 

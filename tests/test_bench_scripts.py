@@ -73,3 +73,25 @@ def test_budget_sweep_on_the_fixture_pair(tiny_gguf_path, tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     table = (tmp_path / "sweep.txt").read_text()
     assert "verify(N) =" in table and len(table.splitlines()) == 2 + len(rows) + 1
+
+
+def test_cpu_step_profile_finds_a_product_and_its_weight(tmp_path):
+    """The trace reading behind scripts/cpu_step_profile.py on a jitted product of a named weight: the op events
+    of XLA:CPU's threads are found and the product's instruction names the weight it reads."""
+    import jax
+    import jax.numpy as jnp
+
+    import cpu_step_profile as csp
+
+    params = {"layers": [{"w_up": jnp.ones((64, 32), jnp.float32)}]}
+    f = jax.jit(lambda tparams, x: jnp.einsum("mi,oi->mo", x, tparams["layers"][0]["w_up"]))
+    x = jnp.ones((3, 32), jnp.float32)
+    f(params, x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            f(params, x).block_until_ready()
+    ops = csp.op_seconds(str(tmp_path))
+    info = csp.instructions(f.lower(params, x).compile().as_text())
+    products = [(name, info[name]) for name in ops if csp.PRODUCT.match(name) and name in info]
+    assert products and all(s > 0 for s in ops.values())
+    assert [dims_weight for _, dims_weight in products] == [([3, 64], "t:layers.0.w_up")]

@@ -41,9 +41,12 @@ def test_default_pair_streams_text_and_stats(jit_cache):
     assert os.path.exists(assets.DEFAULT_TARGET) and os.path.isdir(assets.DEFAULT_DRAFT)
     proc = generate("--prompt", "def fibonacci(n):", "--n_gen", "12", "--stats", jit_cache=jit_cache)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() and "acceptance length" in proc.stderr and "[ddtree]" in proc.stderr
+    # on a CPU the default budget is CPU_BUDGET, within the draft's depth: no chain seed
+    assert proc.stdout.strip() and "acceptance length" in proc.stderr
+    assert "[ddtree: budget 8, top-K 8, no chain seed]" in proc.stderr
     raw = generate("--prompt", "def fibonacci(n):", "--n_gen", "12", "--json", jit_cache=jit_cache)
     out = json.loads(raw.stdout)
+    assert (out["budget"], out["topk"], out["chain_seed"]) == (8, 8, False)
     from dflash_jax.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(assets.DEFAULT_TARGET)
     assert out["text"] == tok.decode([t for t in out["tokens"] if t not in tok.stop_ids])

@@ -91,3 +91,22 @@ def test_accept_walks_the_target_choice_and_cuts():
     assert int(accept(tree, anc, post, jnp.int32(1), none)) == 1  # n_gen cut
     stop_at_1 = none.at[0].set(1)
     assert int(accept(tree, anc, post, jnp.int32(10), stop_at_1)) == 1  # nothing accepted after a stop token
+
+
+@pytest.mark.parametrize("budget, seeded", [(4, False), (7, False), (8, True), (22, True)])
+def test_the_default_seeds_the_chain_only_past_the_draft_depth(budget, seeded):
+    """EngineConfig's chain_seed None: within the draft's depth a seeded tree would be the top-1 chain alone, so the
+    paper's builder is used there; past it, the C++ engine's seeded builder."""
+    from dflash_jax.config import EngineConfig
+    from dflash_jax.engine.step import step_tree
+
+    depth = min(7, budget)
+    logits = jnp.asarray(np.random.default_rng(1).normal(0.0, 1.0, (depth, 50)).astype(np.float32))
+    ecfg = EngineConfig(budget=budget, topk=4)
+    assert ecfg.seeds_chain(depth) == seeded
+    assert EngineConfig(budget=budget, chain_seed=not seeded).seeds_chain(depth) == (not seeded)  # explicit wins
+    got = jax.tree.map(np.asarray, step_tree(ecfg, jnp.int32(3), logits))
+    want = jax.tree.map(np.asarray, build(jnp.int32(3), logits, budget, 4, seeded))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    if budget <= depth:  # a tree with branches, where the seeded builder would give the chain 0-1-2-...
+        assert not np.array_equal(got.parents[1:], np.arange(budget))

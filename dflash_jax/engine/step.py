@@ -98,13 +98,14 @@ def emit_width(ecfg: EngineConfig, block_size: int) -> int:
     return depth + 1
 
 
-def _tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None) -> Tree:
+def step_tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None) -> Tree:
+    """The tree a step verifies: the root alone (ar), the draft's chain, or the DDTree of the draft logits."""
     if ecfg.mode == "ar":
         return Tree(tokens=root[None], parents=jnp.full(1, -1, jnp.int32), depths=jnp.zeros(1, jnp.int32),
                     valid=jnp.ones(1, bool), logw=jnp.zeros(1, jnp.float32))
     if ecfg.mode == "chain":
         return chain_tree(root, logits)
-    return build_tree(root, logits, ecfg.budget, min(ecfg.topk, ecfg.budget), ecfg.chain_seed)
+    return build_tree(root, logits, ecfg.budget, min(ecfg.topk, ecfg.budget), ecfg.seeds_chain(logits.shape[0]))
 
 
 def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, *, tcfg: TargetConfig,
@@ -122,7 +123,7 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
     logits = None
     if ecfg.mode != "ar":
         logits = drafter.propose(dparams, state.draft, tparams, state.root, position, width - 1)
-    tree = _tree(ecfg, state.root, logits)
+    tree = step_tree(ecfg, state.root, logits)
     tlogits, tapped, tstate, verified = target.verify(tparams, tcfg, state.target, tree.tokens, tree.parents, taps,
                                                       impl)
     posterior = jnp.argmax(tlogits, axis=-1).astype(jnp.int32)
