@@ -215,8 +215,8 @@ def run(argv: Sequence[str]) -> int:
         sys.stdout.write(decoder.flush() + "\n")
     if f.stats:
         emitted = sum(gen.accept_lengths)
-        print(f"[{describe(ecfg, engine)}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill {gen.prefill_s:.2f} s "
-              f"(with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over {gen.steps} steps, "
+        print(f"[{describe(ecfg, engine)}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill "
+              f"{gen.prefill_s:.2f} s (with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over {gen.steps} steps, "
               f"acceptance length {gen.mean_accept_length:.2f}: first step {gen.first_step_s:.2f} s (with "
               f"compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}", file=sys.stderr)
     if tracer is not None:

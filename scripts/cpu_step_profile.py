@@ -89,7 +89,7 @@ def profile(engine: Engine, ids: list[int], stop_ids: list[int], steps: int) -> 
             jax.block_until_ready(state)
         ops = op_seconds(trace_dir)
     info = instructions(hlo)
-    groups, products = collections.Counter(), {}
+    groups, products = collections.Counter(), collections.Counter()
     for name, secs in ops.items():
         dims, weight = info.get(name, ([], None))
         ms = 1e3 * secs / steps
@@ -99,8 +99,7 @@ def profile(engine: Engine, ids: list[int], stop_ids: list[int], steps: int) -> 
         group = "vocabulary head" if weight.endswith("lm_head") else \
             ("target products" if weight.startswith("t:") else "drafter products")
         groups[group] += ms
-        products[f"{weight} [{','.join(map(str, dims))}]"] = products.get(f"{weight} [{','.join(map(str, dims))}]",
-                                                                          0.0) + ms
+        products[f"{weight} [{','.join(map(str, dims))}]"] += ms
     return {"wall_ms": 1e3 * statistics.median(wall), "op_ms": dict(groups), "thread_ms": sum(groups.values()),
             "products_ms": dict(sorted(products.items()))}
 

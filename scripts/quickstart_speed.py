@@ -61,5 +61,6 @@ def main() -> None:
         print(f"{name} [{runs[name][0]['settings']}]: {med[name]:.1f} tok/s (AL {runs[name][0]['accept_length']:.2f}), "
               f"{s['of_medians']:.2f}x AR (per round {', '.join(f'{x:.2f}' for x in s['per_round'])})")
 
+
 if __name__ == "__main__":
     main()

@@ -14,10 +14,10 @@ from conftest import ROOT
 
 # The standard library's email package: a corpus that does not change with this repository's code, so the losses
 # below are the same on every commit.
-ARGS = ["--roots", str(Path(email.__file__).parent), "--held_out", "0.3", "--vocab", "384", "--hidden", "64", "--layers", "4",
-        "--ffn", "128", "--seq_len", "64", "--batch", "4", "--target_steps", "24", "--lr", "1e-2", "--draft_layers",
-        "1", "--taps", "2", "--block_size", "8", "--draft_steps", "24", "--draft_lr", "3e-3", "--anchors", "4",
-        "--log_every", "4", "--eval_every", "24", "--save_every", "12"]
+ARGS = ["--roots", str(Path(email.__file__).parent), "--held_out", "0.3", "--vocab", "384", "--hidden", "64",
+        "--layers", "4", "--ffn", "128", "--seq_len", "64", "--batch", "4", "--target_steps", "24", "--lr", "1e-2",
+        "--draft_layers", "1", "--taps", "2", "--block_size", "8", "--draft_steps", "24", "--draft_lr", "3e-3",
+        "--anchors", "4", "--log_every", "4", "--eval_every", "24", "--save_every", "12"]
 
 
 @pytest.fixture(scope="module")
