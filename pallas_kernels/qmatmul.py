@@ -13,6 +13,12 @@ the activations, which the wrapper permutes into each plane's column order once 
 plain 2-D bf16 tile. A matrix with few row tiles (the 5120-row ones) splits K over several programs (`splits`), so
 that every multiprocessor streams, and XLA adds their partial products.
 
+One token (M = 1, the AR decode step) takes a GEMV instead (`gemv`): no tensor cores, so no bf16 rounding of the
+tile and no shuffle into the product's operand layout; each program owns 8 rows, multiplies each plane's float32
+tile by the activations in the tile's own shape and accumulates it, and sums the rows once at the end. On an H100
+that is 1.0-1.7x faster per matrix than the tensor-core kernel at M = 1 (scripts/results/qmatmul_h100_gemv.json)
+and takes the 27B's AR step from 23.5 to 16.0 ms (scripts/results/ar_one_token_h100.txt).
+
 Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
 """
 
@@ -33,6 +39,8 @@ from pallas_kernels.tiles import dot_tile
 QUANTIZED_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 PACKED_FORMATS = QUANTIZED_FORMATS + ("BF16",)  # dense F32/F16/BF16 weights all pack to BF16
 M_MAX = 64
+UNIT_SHAPE = {"Q4_K": (4, 32), "Q5_K": (4, 32), "Q6_K": (2, 2, 16), "Q8_0": (32,), "BF16": ()}  # a plane tile
+# is [rows, units, *UNIT_SHAPE[fmt]]
 
 
 @jax.tree_util.register_dataclass
@@ -152,10 +160,16 @@ def default_tiles(m_pad: int) -> tuple[int, int]:
     return {16: (32, 256), 32: (64, 512)}.get(m_pad, (64, 256))
 
 
+# (rows of W per program, columns per K step) of the GEMV: the best single choice of a sweep on an H100 over the
+# 27B's Q4_K, Q5_K and Q6_K shapes at M = 1 (scripts/qmatmul_gemv_probe.py generic, 4 warps)
+GEMV_TILES = (8, 512)
+
+
 def default_splits(n: int, steps: int, block_n: int, target: int = 1024) -> int:
     """Programs along K: the largest power of two, at most 8, that keeps row tiles x splits within `target` (about
     eight programs per multiprocessor of an H100) and divides the K steps evenly. On the 27B's 5120-row matrices
-    that is 2-4 splits, 1.3-1.8x faster than one (scripts/results/qmatmul_splits_h100.txt)."""
+    that is 2-4 splits, 1.3-1.8x faster than one (scripts/results/qmatmul_splits_h100.txt). The GEMV's 8-row tiles
+    take a target of 2048: two splits on those matrices (640 row tiles), none on the wider ones."""
     tiles, s = -(-n // block_n), 1
     while 2 * s <= 8 and tiles * 2 * s <= target and steps % (2 * s) == 0:
         s *= 2
@@ -173,25 +187,30 @@ def units_per_step(fmt: str, k: int, columns: int = 512) -> int:
     return s
 
 
+def _tile_reader(w: dict, r0, row_ok: jax.Array, block_n: int, start, step: int):
+    """`get(name, *index)` for `plane_tile`: a field's tile of `block_n` rows from r0 and `step` units from `start`,
+    the trailing indices applied; rows past N read zeros."""
+    def get(name, *idx):
+        ref = w[name]
+        ndim = ref.ndim - sum(isinstance(j, int) for j in idx)
+        ok = row_ok.reshape((block_n,) + (1,) * (ndim - 1))
+        idx = tuple(jnp.int32(j) if isinstance(j, int) else j for j in idx)
+        return plt.load(ref.at[(pl.ds(r0, block_n), pl.ds(start, step), *idx)], mask=ok, other=0,
+                        eviction_policy="evict_first")
+
+    return get
+
+
 def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
-    rows = pl.ds(r0, block_n)
     row_ok = (r0 + jnp.arange(block_n)) < n  # the last program's rows past N read zeros
     n_planes, m_pad, width = x_ref.shape[0], x_ref.shape[1], x_ref.shape[2] // w_refs[0].shape[1]
 
     def body(i, acc):
         i = split * steps + i
-
-        def get(name, *idx):
-            ref = w[name]
-            ndim = ref.ndim - sum(isinstance(j, int) for j in idx)
-            ok = row_ok.reshape((block_n,) + (1,) * (ndim - 1))
-            idx = tuple(jnp.int32(j) if isinstance(j, int) else j for j in idx)
-            return plt.load(ref.at[(rows, pl.ds(i * step, step), *idx)], mask=ok, other=0,
-                            eviction_policy="evict_first")
-
+        get = _tile_reader(w, r0, row_ok, block_n, i * step, step)
         for plane in range(n_planes):
             if fmt == "BF16":  # a plain 2-D tile: measured twice as fast as the same bytes through a 3-D one
                 tile = get("w")
@@ -206,36 +225,63 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
     o_ref[split, :, pl.ds(r0, block_n)] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages",
+def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], *refs):
+    x_ref, *w_refs, o_ref = refs
+    w = dict(zip(names, w_refs))
+    r0, split = pl.program_id(0) * block_n, pl.program_id(1)
+    row_ok = (r0 + jnp.arange(block_n)) < n
+
+    def body(i, acc):
+        i = split * steps + i
+        get = _tile_reader(w, r0, row_ok, block_n, i * step, step)
+        for plane in range(x_ref.shape[0]):  # x_ref [planes, units, *UNIT_SHAPE]: the tile's shape, no reshape
+            acc = acc + plane_tile(fmt, plane, get) * x_ref[plane, pl.ds(i * step, step)][None]
+        return acc
+
+    # the products accumulate elementwise; rows are summed once, after the K loop
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n, step) + UNIT_SHAPE[fmt], jnp.float32))
+    while acc.ndim > 1:
+        acc = jnp.sum(acc, axis=-1)
+    o_ref[split, 0, pl.ds(r0, block_n)] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
                                              "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
-            splits: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64 (x and the dequantized tiles in bf16); K is
-    split over `splits` programs per row tile (default: `default_splits`)."""
+            splits: int | None = None, num_warps: int = 4, num_stages: int = 3, gemv: bool | None = None,
+            interpret: bool = False) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
+    (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
+    GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
         raise ValueError(f"x has {k} columns, the weight {kw}")
     if m > M_MAX:
         raise ValueError(f"qmatmul takes at most {M_MAX} rows, got {m}")
-    m_pad = dot_tile(m)
-    block_n = block_n or default_tiles(m_pad)[0]
-    columns = columns or default_tiles(m_pad)[1]
+    gemv = m == 1 if gemv is None else gemv
+    if gemv and m != 1:
+        raise ValueError(f"the GEMV kernel takes one row of x, got {m}")
+    m_pad = 1 if gemv else dot_tile(m)
+    block_n = block_n or (GEMV_TILES[0] if gemv else default_tiles(m_pad)[0])
+    columns = columns or (GEMV_TILES[1] if gemv else default_tiles(m_pad)[1])
     step = units_per_step(pw.fmt, k, columns)
     total = k // unit(pw.fmt, k) // step
-    splits = splits or default_splits(n, total, block_n)
+    splits = splits or default_splits(n, total, block_n, target=2048 if gemv else 1024)
     if total % splits:
         raise ValueError(f"{total} K steps do not split {splits} ways")
     xb = jnp.zeros((m_pad, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
     xp = xb[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)  # [planes, M, K / planes] in each plane's order
+    if gemv:
+        xp = xp.astype(jnp.float32).reshape((xp.shape[0], -1) + UNIT_SHAPE[pw.fmt])
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_kernel, pw.fmt, n, step, total // splits, block_n, names),
+        functools.partial(_gemv_kernel if gemv else _kernel, pw.fmt, n, step, total // splits, block_n, names),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"qmatmul_{pw.fmt.lower()}",
+        name=f"{'gemv' if gemv else 'qmatmul'}_{pw.fmt.lower()}",
     )(xp, *(pw.data[name] for name in names))
     return (out[0] if splits == 1 else jnp.sum(out, axis=0))[:m, :n]

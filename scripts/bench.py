@@ -5,9 +5,10 @@
 In one run: the device-to-device copy rate; the synthetic 27B target (exact shapes, stock Q4_K_M types) and 1.73B
 bf16 drafter made on the device (dflash_jax/testing/synthetic.py); AR tokens/s and time to first token against the
 weight-streaming roofline; per-phase step times (draft, tree build, verify, accept + commit) for each DDTree budget
-and the chain, each phase jitted alone (calls queued back to back, median of batches), beside the fused step's time in the real decode loop; end-to-end
-tokens/s in forced-acceptance mode (the real drafter runs for its cost, its proposals replaced by the target's own
-greedy continuation with errors at a rate calibrated to each acceptance length); AR and DDTree steps at long
+and the chain, each phase jitted alone (calls queued back to back, median of batches), beside the fused step's time
+in the real decode loop; end-to-end tokens/s in forced-acceptance mode (the real drafter runs for its cost, its
+proposals replaced by the target's own greedy continuation with errors at a rate calibrated to each acceptance
+length); AR and DDTree steps at long
 contexts (a committed cache of random keys and values); peak device memory; compile time per jitted function.
 The JSON is rewritten after each section (`--time_limit` keeps what finished); a table is printed last.
 `--model tiny` runs the same on a tiny random pair (a quick check, also on a CPU).
@@ -40,6 +41,7 @@ from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
 from dflash_jax.testing import synthetic  # noqa: E402
 from dflash_jax.testing.oracle import ForcedDrafter  # noqa: E402
 from dflash_jax.testing.tiny import tiny_draft_config, tiny_target_config  # noqa: E402
+from pallas_kernels import qmatmul as qm  # noqa: E402
 
 NO_STOPS = ()
 
@@ -310,7 +312,20 @@ def main() -> None:
     ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree-22 steps at")
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree-22 steps here")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
+    ap.add_argument("--one_token", choices=["gemv", "tensor_cores"], default="gemv",
+                    help="qmatmul's kernel for one-token products (tensor_cores: the M > 1 kernel, to compare)")
     args = ap.parse_args()
+    shipped = qm.qmatmul
+    if args.one_token == "tensor_cores":  # for this run only, every one-token product takes the tensor cores
+        qm.qmatmul = functools.partial(shipped, gemv=False)
+    try:
+        run(args)
+    finally:
+        qm.qmatmul = shipped
+
+
+def run(args: argparse.Namespace) -> None:
+    """The sections `args` asks for (see main)."""
     if args.merge:
         res = merge(args.merge)
         args.out.write_text(json.dumps(res, indent=1, default=float))
@@ -494,8 +509,9 @@ def summary(res: dict) -> str:
     if points:
         fit = fit_verify_cost(points)
         n, tile = fit["n"], fit["tile"]
-        lines.append(f"verify ms = {n['a_ms']:.2f} + {n['b_ms']:.3f} N (residual <= {100 * n['max_rel_residual']:.0f} "
-                     f"%); = {tile['a_ms']:.2f} + {tile['b_ms']:.3f} tile(N) (<= {100 * tile['max_rel_residual']:.0f} %)")
+        lines.append(f"verify ms = {n['a_ms']:.2f} + {n['b_ms']:.3f} N (residual <= "
+                     f"{100 * n['max_rel_residual']:.0f} %); = {tile['a_ms']:.2f} + {tile['b_ms']:.3f} tile(N) "
+                     f"(<= {100 * tile['max_rel_residual']:.0f} %)")
     for r in res.get("forced", []):
         lines.append(f"forced DDTree-{r['budget']}: AL {r['accept_length']:.2f} (goal {r['al_goal']}) "
                      f"{r['tokens_per_s']:.1f} tok/s = {r['speedup']:.2f} x AR")

@@ -14,7 +14,8 @@ over the copy rate. Also the jnp reference under XLA.
 
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
 chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B
-Q4_K_M matrices a decode step reads (every matrix but the embedding table) over the copy rate. Also the jnp reference under XLA.
+Q4_K_M matrices a decode step reads (every matrix but the embedding table) over the copy rate. Also the jnp
+reference under XLA.
 
 tree_conv: the GDN layers' causal conv + SiLU (10240 channels) of a 23-node tree over the 48 layers, for channel
 tiles of 32..256 and 1 or 4 warps, against the jnp reference under XLA.
@@ -85,7 +86,7 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
             ref = qm.qmatmul_reference(x, packed[0])
-            variants = [dict()]
+            variants = [dict()] + ([dict(gemv=False)] if m == 1 else [])  # M = 1: the GEMV and the tensor cores
             if sweep:
                 variants += [dict(block_n=bn, columns=c, num_warps=nw)
                              for bn in (16, 32, 64) for c in (256, 512, 1024) for nw in (4, 8)]
@@ -286,15 +287,18 @@ def main() -> None:
     if "qmatmul" not in args.kernels:
         return
     print("\nqmatmul, default tiles (ratio = GGUF weight bytes/s over the copy rate)")
-    print(f"{'matrix':12s} {'fmt':5s} {'N':>6s} {'K':>6s} " + " ".join(f"{'M=' + str(m):>13s}" for m in args.m)
+    columns = [(m, "default") for m in args.m] + ([(1, "tensor cores")] if 1 in args.m else [])
+    print(f"{'matrix':12s} {'fmt':5s} {'N':>6s} {'K':>6s} "
+          + " ".join(f"{'M=' + str(m) + (' TC' if v != 'default' else ''):>13s}" for m, v in columns)
           + "   XLA M=" + str(args.m[0]))
     for name, fmt, n, k in SHAPES:
         if args.only and f"{name}:{fmt}" not in args.only:
             continue
         cells = []
-        for m in args.m:
+        for m, variant in columns:
             r = next((r for r in rows if r["kernel"] == "qmatmul" and r["matrix"] == name and r["fmt"] == fmt
-                      and r["m"] == m and r.get("tile") == "default"), None)
+                      and r["m"] == m and (r.get("tile") == "default" if variant == "default"
+                                           else r.get("gemv") is False)), None)
             cells.append(f"{r['us']:6.1f}us {r['ratio']:4.2f}" if r else f"{'-':>13s}")
         x = next((r for r in rows if r["kernel"] == "xla_dequant_dot" and r["matrix"] == name and r["fmt"] == fmt
                   and r["m"] == args.m[0]), None)

@@ -62,6 +62,22 @@ def test_kernel_matches_reference(fmt, n, k, m):
     assert rel(got, qm.qmatmul_reference(x, pw)) < 4e-3
 
 
+@pytest.mark.parametrize("fmt,n,k", [("Q4_K", 6, 512), ("Q5_K", 40, 512), ("Q6_K", 17, 1024), ("Q8_0", 33, 128),
+                                     ("BF16", 70, 512)])
+def test_one_token_takes_the_float32_gemv(fmt, n, k):
+    """M = 1 runs the GEMV, which keeps the dequantized weights in float32: it agrees with the reference to float32
+    rounding, where the tensor-core kernel (still there when asked for) agrees to bf16's."""
+    pw = qm.pack(weight(fmt, n, k, seed=n))
+    x = jax.random.normal(jax.random.key(n), (1, k), jnp.float32)
+    ref = qm.qmatmul_reference(x, pw)
+    assert rel(qm.qmatmul(x, pw, interpret=not ON_GPU), ref) < 1e-5
+    assert rel(qm.qmatmul(x, pw, splits=2, columns=64, interpret=not ON_GPU), ref) < 1e-5
+    mma = rel(qm.qmatmul(x, pw, gemv=False, interpret=not ON_GPU), ref)
+    assert mma < 4e-3 and (fmt == "BF16" or mma > 1e-5)  # bf16 weights lose nothing to the rounding
+    with pytest.raises(ValueError, match="one row"):
+        qm.qmatmul(jnp.ones((2, k)), pw, gemv=True, interpret=True)
+
+
 def test_tiles_of_every_width_agree():
     pw = qm.pack(weight("Q4_K", 40, 1024, seed=1))
     x = jax.random.normal(jax.random.key(1), (3, 1024), jnp.float32)
@@ -88,6 +104,8 @@ def test_default_splits_fill_the_gpu_only_when_needed():
     assert qm.default_splits(5120, 34, 64) == 2  # ... at M = 32: 34 steps take no 4-way split
     assert qm.default_splits(17408, 20, 32) == 1  # ffn_gate: 544 row tiles are enough
     assert qm.default_splits(48, 10, 32) == 2
+    assert qm.default_splits(5120, 34, 8, target=2048) == 2  # the GEMV's 8-row tiles at M = 1
+    assert qm.default_splits(17408, 10, 8, target=2048) == 1
 
 
 def test_bad_inputs_raise():
