@@ -115,3 +115,17 @@ def test_cpu_step_profile_finds_a_product_and_its_weight(tmp_path):
     products = [(name, info[name]) for name in ops if csp.PRODUCT.match(name) and name in info]
     assert products and all(s > 0 for s in ops.values())
     assert [dims_weight for _, dims_weight in products] == [([3, 64], "t:layers.0.w_up")]
+
+
+def test_gpu_step_profile_counts_busy_time_as_the_union_of_kernels():
+    from gpu_step_profile import summarize, table
+
+    # two steps: kernels a (0-4 ms), b (2-6, overlapping a), idle 6-10, a again (10-12)
+    ms = 1_000_000
+    events = [("a", 0, 4 * ms), ("b", 2 * ms, 4 * ms), ("a", 10 * ms, 2 * ms)]
+    r = summarize(events, steps=2)
+    assert r["span_ms"] == 6 and r["busy_ms"] == 4 and r["idle_ms"] == 2 and r["launches"] == 1.5
+    assert r["top"][0] == {"name": "a", "ms": 3.0, "launches": 1.0}
+    assert summarize([], steps=8) == {"steps": 8, "kernels": 0}
+    text = table({"device": "d", "jax": "j", "date": "t", "model": "m", "modes": {"ar": r, "ddtree": summarize([], 1)}})
+    assert "ar: span 6.00, busy 4.00, idle 2.00 (33 %), 2 launches" in text and "ddtree: no GPU kernel" in text
