@@ -153,16 +153,21 @@ def qmatmul_reference(x: jax.Array, pw: PackedWeight) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel
 
-def default_tiles(m_pad: int) -> tuple[int, int]:
-    """(rows of W per program, columns per K step): the best of a sweep on an H100 (scripts/bench_kernels.py
-    --sweep, 17408 x 5120 Q4_K and 5120 x 17408 Q6_K): narrow tiles for decode, wider ones for verify blocks;
-    64 activation rows get half the columns (512 would need 384 KiB of shared memory for 3 pipeline stages)."""
-    return {16: (32, 256), 32: (64, 512)}.get(m_pad, (64, 256))
+def default_tiles(m_pad: int, n: int, fmt: str) -> tuple[int, int, int]:
+    """(rows of W per program, columns per K step, warps): the best of a sweep on an H100 (scripts/bench_kernels.py
+    --sweep, 17408 x 5120 Q4_K and 5120 x 17408 Q6_K): narrow tiles for 16 activation rows, wider ones for 32;
+    64 rows get half the columns (512 would need 384 KiB of shared memory for 3 pipeline stages). 32 rows on a Q6_K
+    matrix of at most 8192 rows (the 27B's ffn_down) take 256 columns and 8 warps, which also lets K split 4 ways:
+    1.3-1.4x faster there, while the same tiles made Q4_K's ffn_down 1.25x slower
+    (scripts/results/qmatmul_h100_sweep_m32.json, qmatmul_h100_m32_narrow.json)."""
+    if m_pad == 32 and n <= 8192 and fmt == "Q6_K":
+        return 64, 256, 8
+    return {16: (32, 256, 4), 32: (64, 512, 4)}.get(m_pad, (64, 256, 4))
 
 
-# (rows of W per program, columns per K step) of the GEMV: the best single choice of a sweep on an H100 over the
+# (rows of W per program, columns per K step, warps) of the GEMV: the best single choice of a sweep on an H100 over the
 # 27B's Q4_K, Q5_K and Q6_K shapes at M = 1 (scripts/qmatmul_gemv_probe.py generic, 4 warps)
-GEMV_TILES = (8, 512)
+GEMV_TILES = (8, 512, 4)  # and warps
 
 
 def default_splits(n: int, steps: int, block_n: int, target: int = 1024) -> int:
@@ -248,7 +253,7 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
                                              "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
-            splits: int | None = None, num_warps: int = 4, num_stages: int = 3, gemv: bool | None = None,
+            splits: int | None = None, num_warps: int | None = None, num_stages: int = 3, gemv: bool | None = None,
             interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
@@ -263,8 +268,8 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     if gemv and m != 1:
         raise ValueError(f"the GEMV kernel takes one row of x, got {m}")
     m_pad = 1 if gemv else dot_tile(m)
-    block_n = block_n or (GEMV_TILES[0] if gemv else default_tiles(m_pad)[0])
-    columns = columns or (GEMV_TILES[1] if gemv else default_tiles(m_pad)[1])
+    tiles_bn, tiles_cols, tiles_warps = GEMV_TILES if gemv else default_tiles(m_pad, n, pw.fmt)
+    block_n, columns, num_warps = block_n or tiles_bn, columns or tiles_cols, num_warps or tiles_warps
     step = units_per_step(pw.fmt, k, columns)
     total = k // unit(pw.fmt, k) // step
     splits = splits or default_splits(n, total, block_n, target=2048 if gemv else 1024)

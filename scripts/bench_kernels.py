@@ -76,7 +76,7 @@ def _copies(fmt: str, n: int, k: int):
 
 
 def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None,
-                  splits: bool = False) -> list[dict]:
+                  splits: bool = False, tiles: list[str] = ()) -> list[dict]:
     rows = []
     for name, fmt, n, k in SHAPES:
         if only and f"{name}:{fmt}" not in only:
@@ -92,6 +92,9 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
                              for bn in (16, 32, 64) for c in (256, 512, 1024) for nw in (4, 8)]
             if splits:
                 variants += [dict(splits=sp) for sp in (1, 2, 4, 8)]
+            for t in tiles:  # BLOCK_N:COLUMNS:WARPS
+                bn, cols, nw = (int(v) for v in t.split(":"))
+                variants.append(dict(block_n=bn, columns=cols, num_warps=nw))
             for opts in variants:
                 try:
                     run = jax.jit(lambda x, ws, o=opts: [qm.qmatmul(x, w, **o) for w in ws])
@@ -261,6 +264,8 @@ def main() -> None:
     ap.add_argument("--splits", action="store_true", help="also time qmatmul with K split over 1, 2, 4, 8 programs")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32], help="token counts for qmatmul")
     ap.add_argument("--only", nargs="+", help="matrices to run, as NAME:FMT (e.g. ffn_down:Q6_K)")
+    ap.add_argument("--tiles", nargs="+", default=[], metavar="BN:COLS:WARPS",
+                    help="also time qmatmul with these tiles (rows of W, columns per step, warps)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
                     choices=["qmatmul", "tree_attention", "gdn", "tree_conv"], help="which kernels to time")
     args = ap.parse_args()
@@ -269,7 +274,7 @@ def main() -> None:
     print(f"{env}\ncopy rate {copy / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     if "qmatmul" in args.kernels:
-        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits)
+        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits, args.tiles)
     if "tree_attention" in args.kernels:
         rows += bench_tree_attention(copy, args.sweep)
     if "gdn" in args.kernels:

@@ -45,9 +45,10 @@ def test_dense_weights_pack_to_bf16(fmt):
     np.testing.assert_array_equal(np.asarray(qm.dequantize_packed(pw)), expect)
 
 
-# (format, N, K, M): ragged N (not a multiple of any tile), M = 1, odd, a full 16, past 16 and past 32
+# (format, N, K, M): ragged N (not a multiple of any tile), M = 1, odd, a full 16, past 16 and past 32 (Q6_K at
+# 20 rows: the narrow-matrix tiles of default_tiles, with K split 4 ways)
 CASES = [("Q4_K", 6, 256, 1), ("Q4_K", 40, 768, 17), ("Q5_K", 40, 512, 3), ("Q6_K", 17, 256, 5),
-         ("Q6_K", 33, 512, 33), ("Q8_0", 33, 96, 2), ("Q8_0", 16, 512, 16), ("BF16", 20, 48, 7),
+         ("Q6_K", 33, 512, 33), ("Q6_K", 40, 1024, 20), ("Q8_0", 33, 96, 2), ("Q8_0", 16, 512, 16), ("BF16", 20, 48, 7),
          ("BF16", 70, 512, 1)]
 
 
@@ -106,6 +107,8 @@ def test_default_splits_fill_the_gpu_only_when_needed():
     assert qm.default_splits(48, 10, 32) == 2
     assert qm.default_splits(5120, 34, 8, target=2048) == 2  # the GEMV's 8-row tiles at M = 1
     assert qm.default_splits(17408, 10, 8, target=2048) == 1
+    assert qm.default_tiles(32, 5120, "Q6_K") == (64, 256, 8)  # measured faster only for Q6_K's ffn_down
+    assert qm.default_tiles(32, 5120, "Q4_K") == qm.default_tiles(32, 17408, "Q6_K") == (64, 512, 4)
 
 
 def test_bad_inputs_raise():
