@@ -5,8 +5,9 @@ against the wall time per product, and a tile and split sweep of the GEMV on the
 
 "wall" is the median time of one jitted call of 12 products (each on its own copy of the weight) over 12; "GPU span"
 is first kernel start to last kernel end over three traced calls, per product; below it, each kernel on the GPU's
-streams with its count and time per product. Where the span exceeds the kernels' sum, the GPU sat idle between
-them. Run it under XLA_FLAGS to compare runtime settings (the flags are printed first).
+streams with its count and time per product. Wall and span both take in more than the kernels: the calls'
+dispatch and the waits for their results, and any gaps between launches. Run it under XLA_FLAGS to compare
+runtime settings (the flags are printed first).
 """
 
 from __future__ import annotations
