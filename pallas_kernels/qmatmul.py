@@ -167,7 +167,7 @@ def default_tiles(m_pad: int, n: int, fmt: str) -> tuple[int, int, int]:
 
 # (rows of W per program, columns per K step, warps) of the GEMV: the best single choice of a sweep on an H100 over the
 # 27B's Q4_K, Q5_K and Q6_K shapes at M = 1 (scripts/qmatmul_gemv_probe.py generic, 4 warps)
-GEMV_TILES = (8, 512, 4)  # and warps
+GEMV_TILES = (8, 512, 4)
 
 
 def default_splits(n: int, steps: int, block_n: int, target: int = 1024) -> int:
