@@ -216,9 +216,10 @@ def run(argv: Sequence[str]) -> int:
     if f.stats:
         emitted = sum(gen.accept_lengths)
         print(f"[{describe(ecfg, engine)}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill "
-              f"{gen.prefill_s:.2f} s (with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over {gen.steps} steps, "
-              f"acceptance length {gen.mean_accept_length:.2f}: first step {gen.first_step_s:.2f} s (with "
-              f"compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}", file=sys.stderr)
+              f"{gen.prefill_s:.2f} s (with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over "
+              f"{gen.steps} steps, acceptance length {gen.mean_accept_length:.2f}: first step "
+              f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}",
+              file=sys.stderr)
     if tracer is not None:
         print(f"profile: {tracer.traced_steps} steps traced into {f.profile} (open the .trace.json.gz in "
               "ui.perfetto.dev or the directory in TensorBoard)", file=sys.stderr)

@@ -7,6 +7,7 @@ enough work in one call (many layers' weights, several times the L2) that dispat
 from __future__ import annotations
 
 import datetime
+import glob
 import platform
 import statistics
 import time
@@ -33,6 +34,19 @@ def copy_rate(gib: float = 2.0) -> float:
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
     ops = (jax.jit(lambda a: a * 1.0001), jax.jit(jnp.copy))
     return max(2 * x.nbytes / median_seconds(op, x, iters=20) for op in ops)
+
+
+def gpu_events(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start ns, duration ns) of every event on the GPU streams of the trace under `trace_dir`."""
+    out = []
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in jax.profiler.ProfileData.from_file(path).planes:
+            if "GPU" not in plane.name:
+                continue
+            for line in plane.lines:
+                if "Stream" in line.name:
+                    out += [(ev.name, ev.start_ns, ev.duration_ns) for ev in line.events]
+    return out
 
 
 def environment() -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import sys
 import tempfile
@@ -22,22 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import environment  # noqa: E402
-
-
-def gpu_events(trace_dir: str) -> list[tuple[str, int, int]]:
-    """(name, start ns, duration ns) of every event on the GPU streams of the trace under `trace_dir`."""
-    import jax
-
-    out = []
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in jax.profiler.ProfileData.from_file(path).planes:
-            if "GPU" not in plane.name:
-                continue
-            for line in plane.lines:
-                if "Stream" in line.name:
-                    out += [(ev.name, ev.start_ns, ev.duration_ns) for ev in line.events]
-    return out
+from benchlib import environment, gpu_events  # noqa: E402
 
 
 def summarize(events: list[tuple[str, int, int]], steps: int, top: int = 15) -> dict:

@@ -101,9 +101,6 @@ def check():
 
 
 # ---- generic GEMV through plane_tile (any format): what qmatmul ships ----
-TRAIL = {"Q4_K": (4, 32), "Q5_K": (4, 32), "Q6_K": (2, 2, 16), "Q8_0": (32,), "BF16": ()}
-
-
 def _gen_kernel(fmt, n, step, steps, BN, names, full_acc, *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
@@ -111,19 +108,11 @@ def _gen_kernel(fmt, n, step, steps, BN, names, full_acc, *refs):
     rows = pl.ds(r0, BN)
     row_ok = (r0 + jnp.arange(BN)) < n
     n_planes = x_ref.shape[0]
-    shape = (BN, step) + TRAIL[fmt]
+    shape = (BN, step) + qm.UNIT_SHAPE[fmt]
 
     def body(i, acc):
         i = split * steps + i
-
-        def get(name, *idx):
-            ref = w[name]
-            ndim = ref.ndim - sum(isinstance(j, int) for j in idx)
-            ok = row_ok.reshape((BN,) + (1,) * (ndim - 1))
-            idx = tuple(jnp.int32(j) if isinstance(j, int) else j for j in idx)
-            return plt.load(ref.at[(rows, pl.ds(i * step, step), *idx)], mask=ok, other=0,
-                            eviction_policy="evict_first")
-
+        get = qm._tile_reader(w, r0, row_ok, BN, i * step, step)
         for plane in range(n_planes):
             tile = qm.plane_tile(fmt, plane, get)
             xt = x_ref[plane, pl.ds(i * step, step)]
@@ -150,7 +139,7 @@ def gemv_gen(x, pw, block_n=16, S=1, splits=1, num_warps=4, num_stages=3, full_a
     units = k // qm.unit(pw.fmt, k)
     xb = x.astype(jnp.bfloat16).astype(jnp.float32)[0]
     cols = qm.plane_columns(pw.fmt, k)
-    xp = xb[cols].reshape((cols.shape[0], units) + TRAIL[pw.fmt])
+    xp = xb[cols].reshape((cols.shape[0], units) + qm.UNIT_SHAPE[pw.fmt])
     steps = units // S // splits
     assert steps * S * splits == units, (units, S, splits)
     names = tuple(sorted(pw.data))

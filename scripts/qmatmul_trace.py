@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import copy_rate, median_seconds  # noqa: E402
+from benchlib import copy_rate, gpu_events, median_seconds  # noqa: E402
 
 from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
@@ -42,20 +41,13 @@ def kernel_times(fn, *args, calls: int = 3) -> tuple[dict[str, tuple[float, floa
     with jax.profiler.trace(trace_dir):
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
-    path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
     total, count = collections.Counter(), collections.Counter()
     starts, ends = [], []
-    for plane in jax.profiler.ProfileData.from_file(path).planes:
-        if "GPU" not in plane.name:
-            continue
-        for line in plane.lines:
-            if "Stream" not in line.name:
-                continue
-            for ev in line.events:
-                total[ev.name] += ev.duration_ns / 1e3
-                count[ev.name] += 1
-                starts.append(ev.start_ns)
-                ends.append(ev.start_ns + ev.duration_ns)
+    for name, start, duration in gpu_events(trace_dir):
+        total[name] += duration / 1e3
+        count[name] += 1
+        starts.append(start)
+        ends.append(start + duration)
     span = (max(ends) - min(starts)) / 1e3 / calls if starts else float("nan")
     return {k: (count[k] / calls, total[k] / calls) for k in total}, span
 
