@@ -13,6 +13,12 @@ the activations, which the wrapper permutes into each plane's column order once 
 plain 2-D bf16 tile. A matrix with few row tiles (the 5120-row ones) splits K over several programs (`splits`), so
 that every multiprocessor streams, and XLA adds their partial products.
 
+On a GPU, Q4_K and Q6_K tiles are dequantized by inline PTX (`plane_tile_bf16`): prmt builds each quant's float32
+(128 + q) from its byte without a conversion instruction, one fma applies scale and offset, and cvt.rn.bf16x2 packs
+two weights, about 3 instructions per weight instead of 5. The values are plane_tile's up to float32 rounding. On
+an H100 that makes the 32-row products 1.15-1.3x faster (16 rows: 1.0-1.3x) and the 27B's DDTree-22 step 38.5 ->
+32.8 ms (scripts/results/qmatmul_rows_probe_h100.txt, bench_27b_h100_dequant.txt); `asm=False` turns it off.
+
 One token (M = 1, the AR decode step) takes a GEMV instead (`gemv`): no tensor cores, so no bf16 rounding of the
 tile and no shuffle into the product's operand layout; each program owns 8 rows, multiplies each plane's float32
 tile by the activations in the tile's own shape and accumulates it, and sums the rows once at the end. On an H100
@@ -131,6 +137,61 @@ def plane_tile(fmt: str, plane: int, get) -> jax.Array:
     return f32(q) * scale[..., None] - offset[..., None]
 
 
+# PTX that dequantizes the 4 quant bytes of one 32-bit register into 4 bf16 weights of one plane. prmt places each
+# 4-6 bit quant q in the third byte of a word whose top byte is 0x43: the float32 128 + q, exactly, with no
+# conversion instruction; one float32 fma with the bias folded into the offset, (128 + q) * scale + (offset -
+# 128 * scale), then cvt.rn.bf16x2 packs two weights per instruction. Outputs $0-$1 (bf16 pairs); inputs: the quant
+# register(s), then 4 scales and 4 offsets (float32).
+_PTX_HEAD = """{{
+.reg .b32 m, k, t, h;
+.reg .f32 w<4>, s<4>, o<4>;
+mov.b32 k, 0x43000000;
+shr.u32 m, $2, {low_shift};
+and.b32 m, m, 0x0F0F0F0F;
+"""
+_PTX_Q6K_HIGH = """shr.u32 h, $3, {high_shift};
+and.b32 h, h, 0x03030303;
+shl.b32 h, h, 4;
+or.b32 m, m, h;
+"""
+_PTX_TAIL = "".join(f"""prmt.b32 t, m, k, 0x7{i}44;
+mov.b32 w{i}, t;
+mov.b32 s{i}, ${{s{i}}};
+mov.b32 o{i}, ${{o{i}}};
+fma.rn.f32 w{i}, w{i}, s{i}, o{i};
+""" for i in range(4)) + """cvt.rn.bf16x2.f32 $0, w1, w0;
+cvt.rn.bf16x2.f32 $1, w3, w2;
+}}"""
+PTX_FORMATS = ("Q4_K", "Q6_K")
+
+
+def plane_tile_bf16(fmt: str, plane: int, get, asm: bool) -> jax.Array:
+    """A Q4_K/Q6_K plane tile rounded to bf16, by inline PTX on a GPU (`asm`, about 3 instructions per weight
+    instead of 5) or as `plane_tile` computes it; the two differ only in float32 rounding before the bf16 one."""
+    if not asm:
+        return plane_tile(fmt, plane, get).astype(jnp.bfloat16)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    if fmt == "Q4_K":
+        quants = [get("qs")]  # [rows, units, p, 32]
+        scale = f32(get("d"))[..., None] * f32(get("sc", plane))  # [rows, units, p]
+        offset = -f32(get("dmin"))[..., None] * f32(get("mn", plane)) - 128 * scale
+        shifts = dict(low_shift=4 * plane)
+    elif fmt == "Q6_K":
+        quants = [get("ql", slice(None), plane % 2), get("qh")]  # [rows, units, h, half, 16]
+        scale = f32(get("d"))[..., None, None] * f32(get("sc", plane))  # [rows, units, h, half]
+        offset = -160 * scale  # q - 32 = (128 + q) - 160
+        shifts = dict(low_shift=4 * (plane // 2), high_shift=2 * plane)
+    else:
+        raise ValueError(f"no inline PTX dequantization for {fmt}")
+    shape = quants[0].shape
+    regs = {f"{name}{i}": 2 + len(quants) + 4 * j + i for j, name in enumerate("so") for i in range(4)}
+    code = (_PTX_HEAD + (_PTX_Q6K_HIGH if fmt == "Q6_K" else "")).format(**shifts) + _PTX_TAIL.format(**regs)
+    args = quants + [jnp.broadcast_to(a[..., None], shape) for a in (scale, offset)]
+    constraints = "=r,=r," + ",".join(["r"] * (len(quants) + 8))
+    return plt.elementwise_inline_asm(code, args=args, constraints=constraints, pack=4,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.bfloat16)])[0]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Reference
 
@@ -159,8 +220,9 @@ def default_tiles(m_pad: int, n: int, fmt: str) -> tuple[int, int, int]:
     64 rows get half the columns (512 would need 384 KiB of shared memory for 3 pipeline stages). 32 rows on a Q6_K
     matrix of at most 8192 rows (the 27B's ffn_down) take 256 columns and 8 warps, which also lets K split 4 ways:
     1.3-1.4x faster there, while the same tiles made Q4_K's ffn_down 1.25x slower
-    (scripts/results/qmatmul_h100_sweep_m32.json, qmatmul_h100_m32_narrow.json)."""
-    if m_pad == 32 and n <= 8192 and fmt == "Q6_K":
+    (scripts/results/qmatmul_h100_sweep_m32.json, qmatmul_h100_m32_narrow.json). Q5_K at 32 rows takes them too:
+    the wide tiles ran 3x slower than at 16 or 64 rows (scripts/results/qmatmul_rows_probe_h100.txt, tiles)."""
+    if m_pad == 32 and ((n <= 8192 and fmt == "Q6_K") or fmt == "Q5_K"):
         return 64, 256, 8
     return {16: (32, 256, 4), 32: (64, 512, 4)}.get(m_pad, (64, 256, 4))
 
@@ -206,7 +268,7 @@ def _tile_reader(w: dict, r0, row_ok: jax.Array, block_n: int, start, step: int)
     return get
 
 
-def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], *refs):
+def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool, *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
@@ -219,6 +281,8 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
         for plane in range(n_planes):
             if fmt == "BF16":  # a plain 2-D tile: measured twice as fast as the same bytes through a 3-D one
                 tile = get("w")
+            elif fmt in PTX_FORMATS:
+                tile = plane_tile_bf16(fmt, plane, get, asm).reshape(block_n, -1)
             else:
                 tile = plane_tile(fmt, plane, get).reshape(block_n, -1).astype(jnp.bfloat16)
             xt = x_ref[plane, :, pl.ds(i * step * width, step * width)]
@@ -251,13 +315,14 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
-                                             "interpret"))
+                                             "asm", "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
             splits: int | None = None, num_warps: int | None = None, num_stages: int = 3, gemv: bool | None = None,
-            interpret: bool = False) -> jax.Array:
+            asm: bool | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
-    GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16."""
+    GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` (default: on
+    a GPU) makes the tensor-core kernel's Q4_K/Q6_K tiles with inline PTX (`plane_tile_bf16`)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -265,6 +330,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     if m > M_MAX:
         raise ValueError(f"qmatmul takes at most {M_MAX} rows, got {m}")
     gemv = m == 1 if gemv is None else gemv
+    asm = not interpret if asm is None else asm
+    if asm and interpret:
+        raise ValueError("inline PTX (asm=True) runs only on a GPU, not in interpret mode")
     if gemv and m != 1:
         raise ValueError(f"the GEMV kernel takes one row of x, got {m}")
     m_pad = 1 if gemv else dot_tile(m)
@@ -282,7 +350,8 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_gemv_kernel if gemv else _kernel, pw.fmt, n, step, total // splits, block_n, names),
+        functools.partial(_gemv_kernel, pw.fmt, n, step, total // splits, block_n, names) if gemv else
+        functools.partial(_kernel, pw.fmt, n, step, total // splits, block_n, names, asm),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

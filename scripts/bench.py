@@ -314,10 +314,15 @@ def main() -> None:
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
     ap.add_argument("--one_token", choices=["gemv", "tensor_cores"], default="gemv",
                     help="qmatmul's kernel for one-token products (tensor_cores: the M > 1 kernel, to compare)")
+    ap.add_argument("--dequant", choices=["ptx", "jnp"], default="ptx",
+                    help="how the tensor-core kernel dequantizes Q4_K/Q6_K tiles (jnp: without the inline PTX, "
+                         "to compare)")
     args = ap.parse_args()
     shipped = qm.qmatmul
-    if args.one_token == "tensor_cores":  # for this run only, every one-token product takes the tensor cores
-        qm.qmatmul = functools.partial(shipped, gemv=False)
+    options = ({"gemv": False} if args.one_token == "tensor_cores" else {}) | (
+        {"asm": False} if args.dequant == "jnp" else {})
+    if options:  # for this run only, every product takes the kernel variant asked for
+        qm.qmatmul = functools.partial(shipped, **options)
     try:
         run(args)
     finally:

@@ -49,6 +49,19 @@ def gpu_events(trace_dir: str) -> list[tuple[str, int, int]]:
     return out
 
 
+def kernel_seconds(fn, *args, calls: int = 3) -> float:
+    """GPU kernel time of one fn(*args) call: the summed durations of the events on the GPU streams of a trace of
+    `calls` calls (after a warm-up call), over `calls`; dispatch, waits and gaps between launches are left out."""
+    import tempfile
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    return sum(d for _, _, d in gpu_events(trace_dir)) / 1e9 / calls
+
+
 def environment() -> dict:
     """Device, jax version and date for a results file."""
     dev = jax.devices()[0]

@@ -56,17 +56,20 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
 
 
-def test_bench_one_token_switch_lasts_one_run(tmp_path, monkeypatch):
-    """--one_token tensor_cores sends one-token products to the tensor-core kernel during the run, and only then."""
+def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
+    """--one_token tensor_cores sends one-token products to the tensor-core kernel, --dequant jnp makes the tiles
+    without inline PTX, during the run and only then."""
     import bench
     from pallas_kernels import qmatmul as qm
 
     shipped, seen = qm.qmatmul, []
     monkeypatch.setattr(bench, "run", lambda args: seen.append(qm.qmatmul))
     run_script(bench, ["--out", str(tmp_path / "x.json"), "--one_token", "tensor_cores"])
+    run_script(bench, ["--out", str(tmp_path / "x.json"), "--dequant", "jnp", "--one_token", "tensor_cores"])
     run_script(bench, ["--out", str(tmp_path / "x.json")])
     assert seen[0].func is shipped and seen[0].keywords == {"gemv": False}
-    assert seen[1] is shipped and qm.qmatmul is shipped
+    assert seen[1].func is shipped and seen[1].keywords == {"gemv": False, "asm": False}
+    assert seen[2] is shipped and qm.qmatmul is shipped
 
 
 def test_gemv_probe_kernels_match_the_reference():
@@ -74,6 +77,13 @@ def test_gemv_probe_kernels_match_the_reference():
     import qmatmul_gemv_probe
 
     qmatmul_gemv_probe.check_all()
+
+
+def test_rows_probe_kernels_match_the_reference():
+    """The 16-32 row probe's variants behind the README's findings (interpret mode) agree with qmatmul's reference."""
+    import qmatmul_rows_probe
+
+    qmatmul_rows_probe.check()
 
 
 def test_budget_sweep_on_the_fixture_pair(tiny_gguf_path, tmp_path):
