@@ -5,7 +5,9 @@
 qmatmul: every 27B matrix shape in its Q4_K_M type, at M = 1 and M = 32 tokens, against XLA's dequantize-then-dot
 on the same weights. Rate = the weight's GGUF bytes / time (the packed layout reads up to 2.8% more; both are
 listed). Each timed call runs the product over enough copies of the weight to be several times the L2, so the
-weights stream from HBM and dispatch is a small part of the time. `--sweep` also times tile variants, `--splits`
+weights stream from HBM. Each product has two times: the median wall time of a call over its copies (us, ratio),
+which includes the call's dispatch and the wait for it, and the GPU kernel time of a traced call over its copies
+(kernel_us, kernel_ratio; benchlib.kernel_seconds), which does not. `--sweep` also times tile variants, `--splits`
 the K split over 1, 2, 4 and 8 programs.
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
@@ -34,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import copy_rate, environment, gdn_layer_inputs, median_seconds  # noqa: E402
+from benchlib import copy_rate, environment, gdn_layer_inputs, kernel_seconds, median_seconds  # noqa: E402
 
 from dflash_jax.config import load_target_config  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
@@ -75,6 +77,22 @@ def _copies(fmt: str, n: int, k: int):
     return [random_qtensor(jax.random.key(i), fmt, (n, k)) for i in range(reps)], one.nbytes
 
 
+def _times(run, x, weights, gguf_bytes: int, copy: float) -> dict:
+    """Wall and (on a GPU) kernel time per product of `run(x, weights)`, with GGUF bytes/s and its ratio to `copy`."""
+    t = median_seconds(run, x, weights) / len(weights)
+    out = dict(us=t * 1e6, gguf_bytes=gguf_bytes, rate=gguf_bytes / t, ratio=gguf_bytes / t / copy)
+    kt = kernel_seconds(run, x, weights) / len(weights)
+    if kt > 0:  # a trace without GPU events (a CPU run) has no kernel time
+        out.update(kernel_us=kt * 1e6, kernel_ratio=gguf_bytes / kt / copy)
+    return out
+
+
+def _line(name: str, fmt: str, m: int, what: str, r: dict) -> str:
+    kernel = f"  kernel {r['kernel_us']:7.1f} us {r['kernel_ratio']:5.2f}" if "kernel_us" in r else ""
+    return (f"  {name:12s} {fmt} M={m:2d} {what:45s} {r['us']:8.1f} us {r['rate'] / 1e12:5.2f} TB/s  "
+            f"{r['ratio']:5.2f} of copy{kernel}")
+
+
 def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None,
                   splits: bool = False, tiles: list[str] = ()) -> list[dict]:
     rows = []
@@ -100,24 +118,19 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
                     run = jax.jit(lambda x, ws, o=opts: [qm.qmatmul(x, w, **o) for w in ws])
                     out = run(x, packed)[0]
                     err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                    t = median_seconds(run, x, packed) / len(packed)
+                    times = _times(run, x, packed, gguf_bytes, copy)
                 except Exception as e:  # a tile that does not compile is a result of the sweep, not a failure
                     print(f"  {name} {fmt} M={m} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 rows.append(dict(kernel="qmatmul", matrix=name, fmt=fmt, n=n, k=k, m=m, **(opts or {"tile": "default"}),
-                                 us=t * 1e6, gguf_bytes=gguf_bytes, packed_bytes=packed[0].nbytes,
-                                 rate=gguf_bytes / t, ratio=gguf_bytes / t / copy, rel_err=err))
-                print(f"  {name:12s} {fmt} M={m:2d} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
-                      f"{gguf_bytes / t / 1e12:5.2f} TB/s  {gguf_bytes / t / copy:5.2f} of copy  err {err:.1e}",
-                      flush=True)
+                                 packed_bytes=packed[0].nbytes, rel_err=err, **times))
+                print(_line(name, fmt, m, str(opts or "default"), times) + f"  err {err:.1e}", flush=True)
             if not (sweep or splits) or m == ms[0]:
                 xla = jax.jit(lambda x, ws: [jnp.dot(x, dequantize(w).astype(jnp.bfloat16).T,
                                                      preferred_element_type=jnp.float32) for w in ws])
-                t = median_seconds(xla, x, qts) / len(qts)
-                rows.append(dict(kernel="xla_dequant_dot", matrix=name, fmt=fmt, n=n, k=k, m=m, us=t * 1e6,
-                                 gguf_bytes=gguf_bytes, rate=gguf_bytes / t, ratio=gguf_bytes / t / copy))
-                print(f"  {name:12s} {fmt} M={m:2d} {'XLA dequantize-then-dot':45s} {t*1e6:8.1f} us "
-                      f"{gguf_bytes / t / 1e12:5.2f} TB/s  {gguf_bytes / t / copy:5.2f} of copy", flush=True)
+                times = _times(xla, x, qts, gguf_bytes, copy)
+                rows.append(dict(kernel="xla_dequant_dot", matrix=name, fmt=fmt, n=n, k=k, m=m, **times))
+                print(_line(name, fmt, m, "XLA dequantize-then-dot", times), flush=True)
         del qts, packed
     return rows
 
@@ -291,10 +304,11 @@ def main() -> None:
                   + extra)
     if "qmatmul" not in args.kernels:
         return
-    print("\nqmatmul, default tiles (ratio = GGUF weight bytes/s over the copy rate)")
+    print("\nqmatmul, default tiles (us per product, wall; ratio = GGUF weight bytes/s over the copy rate, wall / "
+          "kernel time)")
     columns = [(m, "default") for m in args.m] + ([(1, "tensor cores")] if 1 in args.m else [])
     print(f"{'matrix':12s} {'fmt':5s} {'N':>6s} {'K':>6s} "
-          + " ".join(f"{'M=' + str(m) + (' TC' if v != 'default' else ''):>13s}" for m, v in columns)
+          + " ".join(f"{'M=' + str(m) + (' TC' if v != 'default' else ''):>18s}" for m, v in columns)
           + "   XLA M=" + str(args.m[0]))
     for name, fmt, n, k in SHAPES:
         if args.only and f"{name}:{fmt}" not in args.only:
@@ -304,7 +318,8 @@ def main() -> None:
             r = next((r for r in rows if r["kernel"] == "qmatmul" and r["matrix"] == name and r["fmt"] == fmt
                       and r["m"] == m and (r.get("tile") == "default" if variant == "default"
                                            else r.get("gemv") is False)), None)
-            cells.append(f"{r['us']:6.1f}us {r['ratio']:4.2f}" if r else f"{'-':>13s}")
+            kernel = f"/{r['kernel_ratio']:4.2f}" if r and "kernel_ratio" in r else " " * 5
+            cells.append(f"{r['us']:6.1f}us {r['ratio']:4.2f}{kernel}" if r else f"{'-':>18s}")
         x = next((r for r in rows if r["kernel"] == "xla_dequant_dot" and r["matrix"] == name and r["fmt"] == fmt
                   and r["m"] == args.m[0]), None)
         print(f"{name:12s} {fmt:5s} {n:6d} {k:6d} " + " ".join(cells) + (f"   {x['ratio']:4.2f}" if x else ""))

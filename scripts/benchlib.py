@@ -49,9 +49,8 @@ def gpu_events(trace_dir: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def kernel_seconds(fn, *args, calls: int = 3) -> float:
-    """GPU kernel time of one fn(*args) call: the summed durations of the events on the GPU streams of a trace of
-    `calls` calls (after a warm-up call), over `calls`; dispatch, waits and gaps between launches are left out."""
+def traced_gpu_events(fn, *args, calls: int = 3) -> list[tuple[str, int, int]]:
+    """`gpu_events` of a trace of `calls` calls of fn(*args), after a warm-up call (which compiles it)."""
     import tempfile
 
     jax.block_until_ready(fn(*args))
@@ -59,7 +58,13 @@ def kernel_seconds(fn, *args, calls: int = 3) -> float:
     with jax.profiler.trace(trace_dir):
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
-    return sum(d for _, _, d in gpu_events(trace_dir)) / 1e9 / calls
+    return gpu_events(trace_dir)
+
+
+def kernel_seconds(fn, *args, calls: int = 3) -> float:
+    """GPU kernel time of one fn(*args) call: the summed durations of the events on the GPU streams of a trace of
+    `calls` calls, over `calls`; dispatch, waits and gaps between launches are left out (0 with no GPU)."""
+    return sum(d for _, _, d in traced_gpu_events(fn, *args, calls=calls)) / 1e9 / calls
 
 
 def environment() -> dict:

@@ -16,7 +16,6 @@ import argparse
 import collections
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import copy_rate, gpu_events, median_seconds  # noqa: E402
+from benchlib import copy_rate, median_seconds, traced_gpu_events  # noqa: E402
 
 from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
@@ -36,14 +35,9 @@ COPIES = 12
 
 def kernel_times(fn, *args, calls: int = 3) -> tuple[dict[str, tuple[float, float]], float]:
     """({kernel: (launches, us) per call}, span in us per call) from a trace of `calls` calls, on the GPU streams."""
-    jax.block_until_ready(fn(*args))
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
     total, count = collections.Counter(), collections.Counter()
     starts, ends = [], []
-    for name, start, duration in gpu_events(trace_dir):
+    for name, start, duration in traced_gpu_events(fn, *args, calls=calls):
         total[name] += duration / 1e3
         count[name] += 1
         starts.append(start)

@@ -79,6 +79,32 @@ def test_gemv_probe_kernels_match_the_reference():
     qmatmul_gemv_probe.check_all()
 
 
+def test_bench_kernels_qmatmul_section_on_a_small_matrix(tmp_path, monkeypatch, capsys):
+    """bench_kernels' qmatmul section end to end on one small matrix, the kernel in interpret mode: rows for the
+    default tiles, the tensor cores at M = 1 and XLA, the table; a CPU trace has no GPU kernel time, so none is
+    given."""
+    import functools
+
+    import bench_kernels
+    from pallas_kernels import qmatmul as qm
+
+    monkeypatch.setattr(bench_kernels, "SHAPES", [("small", "Q4_K", 40, 512)])
+    monkeypatch.setattr(bench_kernels, "MIN_BYTES", 1)
+    monkeypatch.setattr(bench_kernels, "copy_rate", lambda: 1e10)
+    monkeypatch.setattr(qm, "qmatmul", functools.partial(qm.qmatmul, interpret=True))
+    out = tmp_path / "k.json"
+    run_script(bench_kernels, ["--out", str(out), "--kernels", "qmatmul", "--m", "1", "3"])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["kernel"], r["m"], r.get("gemv")) for r in rows] == [
+        ("qmatmul", 1, None), ("qmatmul", 1, False), ("xla_dequant_dot", 1, None), ("qmatmul", 3, None),
+        ("xla_dequant_dot", 3, None)]
+    assert all(r["us"] > 0 and r["ratio"] == pytest.approx(r["gguf_bytes"] / r["us"] * 1e6 / 1e10) for r in rows)
+    assert all(r["rel_err"] < 4e-3 for r in rows if r["kernel"] == "qmatmul")
+    assert not any("kernel_us" in r for r in rows)
+    printed = capsys.readouterr().out
+    assert "small        Q4_K      40    512" in printed and "M=1 TC" in printed
+
+
 def test_rows_probe_kernels_match_the_reference():
     """The 16-32 row probe's variants behind the README's findings (interpret mode) agree with qmatmul's reference."""
     import qmatmul_rows_probe
