@@ -6,11 +6,11 @@
 swap: the weight tile is the product's left operand, out^T [rows of W, M] = W_tile [rows, cols] @ x^T [cols, M],
 with x stored transposed, so the tensor cores' wide side (64 per warp group on Hopper) is W's rows and the narrow
 side the 16-32 tokens; the shipped kernel has the tokens on the wide side.
-modes (Q4_K): the shipped kernel's loop and tiles with the tile dequantized three ways: full (plane_tile, as
-shipped), noscale (nibbles converted to bf16, no scale arithmetic: what layout and conversion alone cost), bf16
-(the scale arithmetic in jnp on bf16 arrays), asm (inline PTX that turns 4 bytes into 4 bf16 weights of a plane
-with packed bf16x2 arithmetic, Q4K_ASM: the scale and offset rounded to bf16 first, so about 1.4x the error of one
-rounding); against qmatmul as shipped (inline PTX in float32, qmatmul.plane_tile_bf16) and with asm=False.
+modes (Q4_K): the shipped kernel's loop and tiles with the tile dequantized four ways: full (plane_tile in jnp, as
+qmatmul did before its inline PTX), noscale (nibbles converted to bf16, no scale arithmetic: what layout and
+conversion alone cost), bf16 (the scale arithmetic in jnp on bf16 arrays), asm (inline PTX that turns 4 bytes into
+4 bf16 weights of a plane with packed bf16x2 arithmetic, Q4K_ASM: scale and offset rounded to bf16 first, a second
+rounding); beside qmatmul as shipped (inline PTX in float32, qmatmul.plane_tile_bf16) and with asm=False.
 tiles: the shipped kernel on other tiles (rows of W, columns per step, warps), for Q5_K at 32 and 64 rows.
 Each timed call runs several copies of the weight (more bytes than the L2). "wall" is the median time of a call over
 its copies; "kernel" the summed GPU kernel time of a traced call over its copies (benchlib.kernel_seconds), which
@@ -148,7 +148,7 @@ def _mode_kernel(mode, n, step, steps, block_n, names, *refs):
 
 @functools.partial(jax.jit, static_argnames=("mode", "block_n", "columns", "num_warps", "interpret"))
 def qmatmul_mode(x, pw, mode="full", block_n=None, columns=None, num_warps=None, interpret=False):
-    """The shipped Q4_K kernel's loop with the dequantization of `mode` (full, noscale, asm)."""
+    """The shipped Q4_K kernel's loop with the dequantization of `mode` (full, noscale, bf16, asm)."""
     m, k = x.shape
     n, _ = pw.shape
     m_pad = dot_tile(m)
@@ -174,7 +174,8 @@ def qmatmul_mode(x, pw, mode="full", block_n=None, columns=None, num_warps=None,
 def mode_variants(fmt, n, k, m):
     out = [("qmatmul asm=False", functools.partial(qm.qmatmul, asm=False))]
     if fmt == "Q4_K":
-        out += [(f"mode={mode}", functools.partial(qmatmul_mode, mode=mode)) for mode in ("full", "noscale", "asm")]
+        out += [(f"mode={mode}", functools.partial(qmatmul_mode, mode=mode))
+                for mode in ("full", "noscale", "bf16", "asm")]
     return out
 
 
