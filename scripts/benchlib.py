@@ -10,6 +10,7 @@ import datetime
 import glob
 import platform
 import statistics
+import tempfile
 import time
 
 import jax
@@ -50,15 +51,14 @@ def gpu_events(trace_dir: str) -> list[tuple[str, int, int]]:
 
 
 def traced_gpu_events(fn, *args, calls: int = 3) -> list[tuple[str, int, int]]:
-    """`gpu_events` of a trace of `calls` calls of fn(*args), after a warm-up call (which compiles it)."""
-    import tempfile
-
+    """`gpu_events` of a trace of `calls` calls of fn(*args), after a warm-up call (which compiles it); the trace
+    is read and deleted."""
     jax.block_until_ready(fn(*args))
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-    return gpu_events(trace_dir)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        return gpu_events(trace_dir)
 
 
 def kernel_seconds(fn, *args, calls: int = 3) -> float:
