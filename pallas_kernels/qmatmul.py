@@ -230,6 +230,8 @@ def default_tiles(m_pad: int, n: int, fmt: str) -> tuple[int, int, int]:
 # (rows of W per program, columns per K step, warps) of the GEMV: the best single choice of a sweep on an H100 over the
 # 27B's Q4_K, Q5_K and Q6_K shapes at M = 1 (scripts/qmatmul_gemv_probe.py generic, 4 warps)
 GEMV_TILES = (8, 512, 4)
+# K steps each kernel loads ahead of the one it computes (`_k_loop`), by kernel
+PREFETCH = {"gemv": 0, "mma": 0}
 
 
 def default_splits(n: int, steps: int, block_n: int, target: int = 1024) -> int:
@@ -254,30 +256,79 @@ def units_per_step(fmt: str, k: int, columns: int = 512) -> int:
     return s
 
 
-def _tile_reader(w: dict, r0, row_ok: jax.Array, block_n: int, start, step: int):
+def _tile_reader(w: dict, r0, row_ok: jax.Array, block_n: int, start, step: int, valid=None):
     """`get(name, *index)` for `plane_tile`: a field's tile of `block_n` rows from r0 and `step` units from `start`,
-    the trailing indices applied; rows past N read zeros."""
+    the trailing indices applied; rows past N read zeros, and so does every row when `valid` (a scalar) is False."""
+    ok = row_ok if valid is None else row_ok & valid
+
     def get(name, *idx):
         ref = w[name]
         ndim = ref.ndim - sum(isinstance(j, int) for j in idx)
-        ok = row_ok.reshape((block_n,) + (1,) * (ndim - 1))
         idx = tuple(jnp.int32(j) if isinstance(j, int) else j for j in idx)
-        return plt.load(ref.at[(pl.ds(r0, block_n), pl.ds(start, step), *idx)], mask=ok, other=0,
-                        eviction_policy="evict_first")
+        return plt.load(ref.at[(pl.ds(r0, block_n), pl.ds(start, step), *idx)],
+                        mask=ok.reshape((block_n,) + (1,) * (ndim - 1)), other=0, eviction_policy="evict_first")
 
     return get
 
 
-def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool, *refs):
+def _step_tiles(fmt: str, n_planes: int, get, x_tile) -> dict[str, jax.Array]:
+    """One K step's loads: every field tile `plane_tile` reads for `n_planes` planes, each loaded once, and each
+    plane's activations (`x_tile(plane)`), keyed as `_from_tiles` reads them. plane_tile runs here only for its
+    reads (its arithmetic has no use and the compiler drops it); `plane_tile_bf16` reads the same fields."""
+    tiles = {}
+
+    def load(name, *idx):
+        key = f"{name}{idx}"
+        if key not in tiles:
+            tiles[key] = get(name, *idx)
+        return tiles[key]
+
+    for plane in range(n_planes):
+        plane_tile(fmt, plane, load)
+        tiles[f"x{plane}"] = x_tile(plane)
+    return tiles
+
+
+def _from_tiles(tiles: dict[str, jax.Array]):
+    """(`get`, `x_tile`) over tiles `_step_tiles` loaded."""
+    return (lambda name, *idx: tiles[f"{name}{idx}"]), (lambda plane: tiles[f"x{plane}"])
+
+
+def _k_loop(fmt: str, n_planes: int, reader, compute, steps: int, acc, prefetch: int):
+    """acc after `compute(get, x_tile, acc)` over the K steps, where `reader(i, valid)` gives step i's (`get`,
+    `x_tile`) reading from the refs (`valid`: see `_tile_reader`). With prefetch = 0 each step loads as it
+    computes (the kernels as measured). With prefetch = d > 0 the loop carries d steps' tiles and loads step i + d's
+    before computing step i, so that d steps' loads are in flight while one computes; loads past the last step are
+    masked off. Not yet timed on a GPU: an option for an A/B (`scripts/bench_kernels.py --variants prefetch=1`)."""
+    if not prefetch:
+        return jax.lax.fori_loop(0, steps, lambda i, acc: compute(*reader(i, None), acc), acc)
+
+    def load(i, valid):
+        return _step_tiles(fmt, n_planes, *reader(i, valid))
+
+    def body(i, carry):
+        acc, ahead = carry
+        nxt = load(jnp.minimum(i + prefetch, steps - 1), i + prefetch < steps)
+        return compute(*_from_tiles(ahead[0]), acc), ahead[1:] + (nxt,)
+
+    ahead = tuple(load(min(j, steps - 1), j < steps) for j in range(prefetch))
+    return jax.lax.fori_loop(0, steps, body, (acc, ahead))[0]
+
+
+def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
+            prefetch: int, *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
     row_ok = (r0 + jnp.arange(block_n)) < n  # the last program's rows past N read zeros
     n_planes, m_pad, width = x_ref.shape[0], x_ref.shape[1], x_ref.shape[2] // w_refs[0].shape[1]
 
-    def body(i, acc):
+    def reader(i, valid):
         i = split * steps + i
-        get = _tile_reader(w, r0, row_ok, block_n, i * step, step)
+        return (_tile_reader(w, r0, row_ok, block_n, i * step, step, valid),
+                lambda plane: x_ref[plane, :, pl.ds(i * step * width, step * width)])
+
+    def compute(get, x_tile, acc):
         for plane in range(n_planes):
             if fmt == "BF16":  # a plain 2-D tile: measured twice as fast as the same bytes through a 3-D one
                 tile = get("w")
@@ -285,44 +336,50 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
                 tile = plane_tile_bf16(fmt, plane, get, asm).reshape(block_n, -1)
             else:
                 tile = plane_tile(fmt, plane, get).reshape(block_n, -1).astype(jnp.bfloat16)
-            xt = x_ref[plane, :, pl.ds(i * step * width, step * width)]
-            acc = acc + jax.lax.dot_general(xt, tile, (((1,), (1,)), ((), ())),
+            acc = acc + jax.lax.dot_general(x_tile(plane), tile, (((1,), (1,)), ((), ())),
                                             preferred_element_type=jnp.float32)
         return acc
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((m_pad, block_n), jnp.float32))
+    acc = _k_loop(fmt, n_planes, reader, compute, steps, jnp.zeros((m_pad, block_n), jnp.float32), prefetch)
     o_ref[split, :, pl.ds(r0, block_n)] = acc
 
 
-def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], *refs):
+def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], prefetch: int,
+                 *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
     row_ok = (r0 + jnp.arange(block_n)) < n
+    n_planes = x_ref.shape[0]  # x_ref [planes, units, *UNIT_SHAPE]: the tile's shape, no reshape
 
-    def body(i, acc):
+    def reader(i, valid):
         i = split * steps + i
-        get = _tile_reader(w, r0, row_ok, block_n, i * step, step)
-        for plane in range(x_ref.shape[0]):  # x_ref [planes, units, *UNIT_SHAPE]: the tile's shape, no reshape
-            acc = acc + plane_tile(fmt, plane, get) * x_ref[plane, pl.ds(i * step, step)][None]
+        return (_tile_reader(w, r0, row_ok, block_n, i * step, step, valid),
+                lambda plane: x_ref[plane, pl.ds(i * step, step)])
+
+    def compute(get, x_tile, acc):
+        for plane in range(n_planes):
+            acc = acc + plane_tile(fmt, plane, get) * x_tile(plane)[None]
         return acc
 
     # the products accumulate elementwise; rows are summed once, after the K loop
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n, step) + UNIT_SHAPE[fmt], jnp.float32))
+    acc = _k_loop(fmt, n_planes, reader, compute, steps, jnp.zeros((block_n, step) + UNIT_SHAPE[fmt], jnp.float32),
+                  prefetch)
     while acc.ndim > 1:
         acc = jnp.sum(acc, axis=-1)
     o_ref[split, 0, pl.ds(r0, block_n)] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
-                                             "asm", "interpret"))
+                                             "asm", "prefetch", "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
             splits: int | None = None, num_warps: int | None = None, num_stages: int = 3, gemv: bool | None = None,
-            asm: bool | None = None, interpret: bool = False) -> jax.Array:
+            asm: bool | None = None, prefetch: int | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
     GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` (default: on
-    a GPU) makes the tensor-core kernel's Q4_K/Q6_K tiles with inline PTX (`plane_tile_bf16`)."""
+    a GPU) makes the tensor-core kernel's Q4_K/Q6_K tiles with inline PTX (`plane_tile_bf16`). `prefetch` K steps
+    are loaded ahead of the one computed (`_k_loop`; default: `PREFETCH`)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -338,6 +395,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     m_pad = 1 if gemv else dot_tile(m)
     tiles_bn, tiles_cols, tiles_warps = GEMV_TILES if gemv else default_tiles(m_pad, n, pw.fmt)
     block_n, columns, num_warps = block_n or tiles_bn, columns or tiles_cols, num_warps or tiles_warps
+    prefetch = PREFETCH["gemv" if gemv else "mma"] if prefetch is None else prefetch
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0 K steps, got {prefetch}")
     step = units_per_step(pw.fmt, k, columns)
     total = k // unit(pw.fmt, k) // step
     splits = splits or default_splits(n, total, block_n, target=2048 if gemv else 1024)
@@ -350,8 +410,8 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_gemv_kernel, pw.fmt, n, step, total // splits, block_n, names) if gemv else
-        functools.partial(_kernel, pw.fmt, n, step, total // splits, block_n, names, asm),
+        functools.partial(_gemv_kernel, pw.fmt, n, step, total // splits, block_n, names, prefetch) if gemv else
+        functools.partial(_kernel, pw.fmt, n, step, total // splits, block_n, names, asm, prefetch),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -317,8 +317,15 @@ def main() -> None:
     ap.add_argument("--dequant", choices=["ptx", "jnp"], default="ptx",
                     help="how the tensor-core kernel dequantizes Q4_K/Q6_K tiles (jnp: without the inline PTX, "
                          "to compare)")
+    ap.add_argument("--prefetch", default="", metavar="gemv=D,mma=D",
+                    help="K steps qmatmul's kernels load ahead (default: qmatmul.PREFETCH), to compare")
     args = ap.parse_args()
-    shipped = qm.qmatmul
+    prefetch = {kernel: int(depth) for kernel, depth in (item.split("=") for item in args.prefetch.split(",") if item)}
+    if set(prefetch) - set(qm.PREFETCH):
+        ap.error(f"--prefetch names {', '.join(set(prefetch) - set(qm.PREFETCH))}; the kernels are "
+                 f"{', '.join(qm.PREFETCH)}")
+    shipped, shipped_prefetch = qm.qmatmul, dict(qm.PREFETCH)
+    qm.PREFETCH.update(prefetch)  # for this run only, like the options below
     options = ({"gemv": False} if args.one_token == "tensor_cores" else {}) | (
         {"asm": False} if args.dequant == "jnp" else {})
     if options:  # for this run only, every product takes the kernel variant asked for
@@ -327,6 +334,7 @@ def main() -> None:
         run(args)
     finally:
         qm.qmatmul = shipped
+        qm.PREFETCH.update(shipped_prefetch)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -93,8 +93,13 @@ def _line(name: str, fmt: str, m: int, what: str, r: dict) -> str:
             f"{r['ratio']:5.2f} of copy{kernel}")
 
 
+def parse_variant(text: str) -> dict:
+    """qmatmul options from `KEY=INT,KEY=INT` (e.g. `prefetch=1,block_n=16`; `m=M` keeps the variant to M tokens)."""
+    return {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
+
+
 def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None,
-                  splits: bool = False, tiles: list[str] = ()) -> list[dict]:
+                  splits: bool = False, tiles: list[str] = (), extra: list[dict] = ()) -> list[dict]:
     rows = []
     for name, fmt, n, k in SHAPES:
         if only and f"{name}:{fmt}" not in only:
@@ -113,6 +118,7 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
             for t in tiles:  # BLOCK_N:COLUMNS:WARPS
                 bn, cols, nw = (int(v) for v in t.split(":"))
                 variants.append(dict(block_n=bn, columns=cols, num_warps=nw))
+            variants += [{k: v for k, v in opts.items() if k != "m"} for opts in extra if opts.get("m", m) == m]
             for opts in variants:
                 try:
                     run = jax.jit(lambda x, ws, o=opts: [qm.qmatmul(x, w, **o) for w in ws])
@@ -279,6 +285,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", help="matrices to run, as NAME:FMT (e.g. ffn_down:Q6_K)")
     ap.add_argument("--tiles", nargs="+", default=[], metavar="BN:COLS:WARPS",
                     help="also time qmatmul with these tiles (rows of W, columns per step, warps)")
+    ap.add_argument("--variants", nargs="+", default=[], type=parse_variant, metavar="KEY=INT,...",
+                    help="also time qmatmul with these options (e.g. prefetch=1 m=1,prefetch=1,block_n=16; "
+                         "m=M times that variant at M tokens only)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
                     choices=["qmatmul", "tree_attention", "gdn", "tree_conv"], help="which kernels to time")
     args = ap.parse_args()
@@ -287,7 +296,7 @@ def main() -> None:
     print(f"{env}\ncopy rate {copy / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     if "qmatmul" in args.kernels:
-        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits, args.tiles)
+        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits, args.tiles, args.variants)
     if "tree_attention" in args.kernels:
         rows += bench_tree_attention(copy, args.sweep)
     if "gdn" in args.kernels:

@@ -58,18 +58,21 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
 
 def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
     """--one_token tensor_cores sends one-token products to the tensor-core kernel, --dequant jnp makes the tiles
-    without inline PTX, during the run and only then."""
+    without inline PTX, --prefetch sets the kernels' loads ahead, during the run and only then."""
     import bench
     from pallas_kernels import qmatmul as qm
 
-    shipped, seen = qm.qmatmul, []
-    monkeypatch.setattr(bench, "run", lambda args: seen.append(qm.qmatmul))
+    shipped, shipped_prefetch, seen = qm.qmatmul, dict(qm.PREFETCH), []
+    monkeypatch.setattr(bench, "run", lambda args: seen.append((qm.qmatmul, dict(qm.PREFETCH))))
     run_script(bench, ["--out", str(tmp_path / "x.json"), "--one_token", "tensor_cores"])
     run_script(bench, ["--out", str(tmp_path / "x.json"), "--dequant", "jnp", "--one_token", "tensor_cores"])
-    run_script(bench, ["--out", str(tmp_path / "x.json")])
-    assert seen[0].func is shipped and seen[0].keywords == {"gemv": False}
-    assert seen[1].func is shipped and seen[1].keywords == {"gemv": False, "asm": False}
-    assert seen[2] is shipped and qm.qmatmul is shipped
+    run_script(bench, ["--out", str(tmp_path / "x.json"), "--prefetch", "gemv=2,mma=1"])
+    assert seen[0][0].func is shipped and seen[0][0].keywords == {"gemv": False}
+    assert seen[1][0].func is shipped and seen[1][0].keywords == {"gemv": False, "asm": False}
+    assert seen[2] == (shipped, {"gemv": 2, "mma": 1})
+    assert qm.qmatmul is shipped and qm.PREFETCH == shipped_prefetch
+    with pytest.raises(SystemExit):
+        run_script(bench, ["--out", str(tmp_path / "x.json"), "--prefetch", "tensor=1"])
 
 
 def test_gemv_probe_kernels_match_the_reference():
@@ -93,11 +96,13 @@ def test_bench_kernels_qmatmul_section_on_a_small_matrix(tmp_path, monkeypatch, 
     monkeypatch.setattr(bench_kernels, "copy_rate", lambda: 1e10)
     monkeypatch.setattr(qm, "qmatmul", functools.partial(qm.qmatmul, interpret=True))
     out = tmp_path / "k.json"
-    run_script(bench_kernels, ["--out", str(out), "--kernels", "qmatmul", "--m", "1", "3"])
+    run_script(bench_kernels, ["--out", str(out), "--kernels", "qmatmul", "--m", "1", "3",
+                               "--variants", "prefetch=1", "m=1,block_n=16,prefetch=2"])
     rows = json.loads(out.read_text())["results"]
-    assert [(r["kernel"], r["m"], r.get("gemv")) for r in rows] == [
-        ("qmatmul", 1, None), ("qmatmul", 1, False), ("xla_dequant_dot", 1, None), ("qmatmul", 3, None),
-        ("xla_dequant_dot", 3, None)]
+    assert [(r["kernel"], r["m"], r.get("gemv"), r.get("prefetch"), r.get("block_n")) for r in rows] == [
+        ("qmatmul", 1, None, None, None), ("qmatmul", 1, False, None, None), ("qmatmul", 1, None, 1, None),
+        ("qmatmul", 1, None, 2, 16), ("xla_dequant_dot", 1, None, None, None), ("qmatmul", 3, None, None, None),
+        ("qmatmul", 3, None, 1, None), ("xla_dequant_dot", 3, None, None, None)]
     assert all(r["us"] > 0 and r["ratio"] == pytest.approx(r["gguf_bytes"] / r["us"] * 1e6 / 1e10) for r in rows)
     assert all(r["rel_err"] < 4e-3 for r in rows if r["kernel"] == "qmatmul")
     assert not any("kernel_us" in r for r in rows)

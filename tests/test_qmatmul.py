@@ -100,6 +100,32 @@ def test_k_splits_agree():
         qm.qmatmul(x, pw, columns=256, splits=3, interpret=True)
 
 
+@pytest.mark.parametrize("fmt,m", [("Q4_K", 1), ("Q6_K", 1), ("Q5_K", 3), ("Q4_K", 17)])
+def test_prefetched_k_steps_agree(fmt, m):
+    """Loading 1, 2 or more K steps ahead of the one computed (more than there are: the loads past the end are
+    masked) gives the product without prefetching, in either kernel and with K split; a negative depth is refused."""
+    pw = qm.pack(weight(fmt, 24, 1024, seed=7))
+    x = jax.random.normal(jax.random.key(7), (m, 1024), jnp.float32)
+    ref = qm.qmatmul_reference(x, pw)
+    tol = 1e-5 if m == 1 else BF16_TILES
+    for prefetch, splits in ((0, 1), (1, 1), (2, 2), (5, 1)):  # 4 K steps of 256 columns
+        got = qm.qmatmul(x, pw, columns=256, splits=splits, prefetch=prefetch, interpret=not ON_GPU)
+        assert rel(got, ref) < tol, (prefetch, splits)
+    with pytest.raises(ValueError, match="prefetch"):
+        qm.qmatmul(x, pw, prefetch=-1, interpret=True)
+
+
+@pytest.mark.parametrize("fmt", qm.PACKED_FORMATS)
+def test_gpu_variants_lower_to_triton(fmt):
+    """What runs only on a GPU (the inline PTX tiles, prefetching in the compiled kernel) lowers to Triton IR here
+    too: lowering for CUDA needs no GPU, so an op the Triton lowering lacks fails on a CPU, not first on the device."""
+    pw = qm.pack(weight(fmt, 64, 1024))
+    for m, prefetch in ((1, 0), (1, 2), (23, 0), (23, 1)):
+        run = jax.jit(lambda x, w: qm.qmatmul(x, w, prefetch=prefetch, asm=fmt in qm.PTX_FORMATS))
+        hlo = run.trace(jnp.ones((m, 1024), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in hlo, (m, prefetch)
+
+
 def test_default_splits_fill_the_gpu_only_when_needed():
     assert qm.default_splits(5120, 68, 32) == 4  # ffn_down at M = 1: 160 row tiles
     assert qm.default_splits(5120, 34, 64) == 2  # ... at M = 32: 34 steps take no 4-way split
@@ -154,6 +180,16 @@ def test_kernel_at_27b_shapes(fmt, n, k, m):
     got = qm.qmatmul(x, pw)
     assert bool(jnp.all(jnp.isfinite(got)))
     assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,n,k", REAL[:3])
+@pytest.mark.parametrize("m,prefetch", [(1, 1), (1, 2), (23, 1), (32, 2)])
+def test_prefetch_at_27b_shapes(fmt, n, k, m, prefetch):
+    pw = qm.pack(weight(fmt, n, k, seed=m))
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+    got = qm.qmatmul(x, pw, prefetch=prefetch)
+    assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-4 if m == 1 else BF16_TILES)  # GEMV: float32 weights
 
 
 @pytest.mark.gpu
