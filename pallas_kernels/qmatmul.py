@@ -25,6 +25,11 @@ tile by the activations in the tile's own shape and accumulates it, and sums the
 that is 1.0-1.7x faster per matrix than the tensor-core kernel at M = 1 (scripts/results/qmatmul_h100_gemv.json)
 and takes the 27B's AR step from 23.5 to 16.0 ms (scripts/results/ar_one_token_h100.txt).
 
+Two options are written and tested but not yet timed, so off by default (`ASM`, `PREFETCH`): the GEMV's Q4_K/Q6_K
+tiles by the same inline PTX in float32 (`asm=True` at M = 1: 5.75 and 6.34 SASS instructions per weight instead of
+7.25 and 11.6), and loading K steps ahead of the one computed (`prefetch`); scripts/qmatmul_sass.py reads both in
+the compiled code on a CPU (scripts/results/qmatmul_sass_cpu.txt).
+
 Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
 """
 
@@ -137,39 +142,38 @@ def plane_tile(fmt: str, plane: int, get) -> jax.Array:
     return f32(q) * scale[..., None] - offset[..., None]
 
 
-# PTX that dequantizes the 4 quant bytes of one 32-bit register into 4 bf16 weights of one plane. prmt places each
-# 4-6 bit quant q in the third byte of a word whose top byte is 0x43: the float32 128 + q, exactly, with no
-# conversion instruction; one float32 fma with the bias folded into the offset, (128 + q) * scale + (offset -
-# 128 * scale), then cvt.rn.bf16x2 packs two weights per instruction. Outputs $0-$1 (bf16 pairs); inputs: the quant
-# register(s), then 4 scales and 4 offsets (float32).
+# PTX that dequantizes the 4 quant bytes of one 32-bit register into 4 weights of one plane. prmt places each 4-6 bit
+# quant q in the third byte of a word whose top byte is 0x43: the float32 128 + q, exactly, with no conversion
+# instruction; one float32 fma with the bias folded into the offset, (128 + q) * scale + (offset - 128 * scale).
+# Outputs: 4 float32 ($0-$3), or cvt.rn.bf16x2 packs them into 2 bf16 pairs ($0-$1); inputs: the quant register(s),
+# then 4 scales and 4 offsets (float32).
 _PTX_HEAD = """{{
 .reg .b32 m, k, t, h;
 .reg .f32 w<4>, s<4>, o<4>;
 mov.b32 k, 0x43000000;
-shr.u32 m, $2, {low_shift};
+shr.u32 m, ${q}, {low_shift};
 and.b32 m, m, 0x0F0F0F0F;
 """
-_PTX_Q6K_HIGH = """shr.u32 h, $3, {high_shift};
+_PTX_Q6K_HIGH = """shr.u32 h, ${qh}, {high_shift};
 and.b32 h, h, 0x03030303;
 shl.b32 h, h, 4;
 or.b32 m, m, h;
 """
-_PTX_TAIL = "".join(f"""prmt.b32 t, m, k, 0x7{i}44;
+_PTX_DEQUANT = "".join(f"""prmt.b32 t, m, k, 0x7{i}44;
 mov.b32 w{i}, t;
 mov.b32 s{i}, ${{s{i}}};
 mov.b32 o{i}, ${{o{i}}};
 fma.rn.f32 w{i}, w{i}, s{i}, o{i};
-""" for i in range(4)) + """cvt.rn.bf16x2.f32 $0, w1, w0;
+""" for i in range(4))
+_PTX_OUT = {jnp.bfloat16: """cvt.rn.bf16x2.f32 $0, w1, w0;
 cvt.rn.bf16x2.f32 $1, w3, w2;
-}}"""
+}}""", jnp.float32: "".join(f"mov.b32 ${i}, w{i};\n" for i in range(4)) + "}}"}
 PTX_FORMATS = ("Q4_K", "Q6_K")
 
 
-def plane_tile_bf16(fmt: str, plane: int, get, asm: bool) -> jax.Array:
-    """A Q4_K/Q6_K plane tile rounded to bf16, by inline PTX on a GPU (`asm`, about 3 instructions per weight
-    instead of 5) or as `plane_tile` computes it; the two differ only in float32 rounding before the bf16 one."""
-    if not asm:
-        return plane_tile(fmt, plane, get).astype(jnp.bfloat16)
+def plane_tile_asm(fmt: str, plane: int, get, dtype=jnp.bfloat16) -> jax.Array:
+    """A Q4_K/Q6_K plane tile dequantized by inline PTX (GPU only; about 3 instructions per weight instead of 5),
+    in bf16 or float32 (`dtype`); the values are `plane_tile`'s up to float32 rounding."""
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     if fmt == "Q4_K":
         quants = [get("qs")]  # [rows, units, p, 32]
@@ -183,13 +187,20 @@ def plane_tile_bf16(fmt: str, plane: int, get, asm: bool) -> jax.Array:
         shifts = dict(low_shift=4 * (plane // 2), high_shift=2 * plane)
     else:
         raise ValueError(f"no inline PTX dequantization for {fmt}")
-    shape = quants[0].shape
-    regs = {f"{name}{i}": 2 + len(quants) + 4 * j + i for j, name in enumerate("so") for i in range(4)}
-    code = (_PTX_HEAD + (_PTX_Q6K_HIGH if fmt == "Q6_K" else "")).format(**shifts) + _PTX_TAIL.format(**regs)
+    shape, outputs = quants[0].shape, 4 if dtype == jnp.float32 else 2
+    regs = {f"{name}{i}": outputs + len(quants) + 4 * j + i for j, name in enumerate("so") for i in range(4)}
+    code = (_PTX_HEAD + (_PTX_Q6K_HIGH if fmt == "Q6_K" else "") + _PTX_DEQUANT + _PTX_OUT[dtype]).format(
+        q=outputs, qh=outputs + 1, **shifts, **regs)
     args = quants + [jnp.broadcast_to(a[..., None], shape) for a in (scale, offset)]
-    constraints = "=r,=r," + ",".join(["r"] * (len(quants) + 8))
+    constraints = ",".join(["=r"] * outputs + ["r"] * (len(quants) + 8))
     return plt.elementwise_inline_asm(code, args=args, constraints=constraints, pack=4,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.bfloat16)])[0]
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, dtype)])[0]
+
+
+def plane_tile_bf16(fmt: str, plane: int, get, asm: bool) -> jax.Array:
+    """A Q4_K/Q6_K plane tile rounded to bf16, by inline PTX (`asm`, `plane_tile_asm`) or as `plane_tile` computes
+    it; the two differ only in float32 rounding before the bf16 one."""
+    return plane_tile_asm(fmt, plane, get) if asm else plane_tile(fmt, plane, get).astype(jnp.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -230,8 +241,10 @@ def default_tiles(m_pad: int, n: int, fmt: str) -> tuple[int, int, int]:
 # (rows of W per program, columns per K step, warps) of the GEMV: the best single choice of a sweep on an H100 over the
 # 27B's Q4_K, Q5_K and Q6_K shapes at M = 1 (scripts/qmatmul_gemv_probe.py generic, 4 warps)
 GEMV_TILES = (8, 512, 4)
-# K steps each kernel loads ahead of the one it computes (`_k_loop`), by kernel
+# Defaults by kernel: K steps loaded ahead of the one computed (`_k_loop`), and Q4_K/Q6_K tiles by inline PTX
+# (`plane_tile_asm`, GPU only; the GEMV's float32 form is not yet timed, scripts/results/qmatmul_sass_cpu.txt)
 PREFETCH = {"gemv": 0, "mma": 0}
+ASM = {"gemv": False, "mma": True}
 
 
 def default_splits(n: int, steps: int, block_n: int, target: int = 1024) -> int:
@@ -344,8 +357,8 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
     o_ref[split, :, pl.ds(r0, block_n)] = acc
 
 
-def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], prefetch: int,
-                 *refs):
+def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
+                 prefetch: int, *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
@@ -359,7 +372,8 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
     def compute(get, x_tile, acc):
         for plane in range(n_planes):
-            acc = acc + plane_tile(fmt, plane, get) * x_tile(plane)[None]
+            tile = plane_tile_asm(fmt, plane, get, jnp.float32) if asm else plane_tile(fmt, plane, get)
+            acc = acc + tile * x_tile(plane)[None]
         return acc
 
     # the products accumulate elementwise; rows are summed once, after the K loop
@@ -377,9 +391,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
             asm: bool | None = None, prefetch: int | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
-    GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` (default: on
-    a GPU) makes the tensor-core kernel's Q4_K/Q6_K tiles with inline PTX (`plane_tile_bf16`). `prefetch` K steps
-    are loaded ahead of the one computed (`_k_loop`; default: `PREFETCH`)."""
+    GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` makes Q4_K/Q6_K
+    tiles with inline PTX (`plane_tile_asm`; GPU only), `prefetch` loads K steps ahead of the one computed
+    (`_k_loop`); their defaults are `ASM` (on a GPU) and `PREFETCH`, by kernel."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -387,7 +401,8 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     if m > M_MAX:
         raise ValueError(f"qmatmul takes at most {M_MAX} rows, got {m}")
     gemv = m == 1 if gemv is None else gemv
-    asm = not interpret if asm is None else asm
+    kernel = "gemv" if gemv else "mma"
+    asm = ASM[kernel] and not interpret if asm is None else asm
     if asm and interpret:
         raise ValueError("inline PTX (asm=True) runs only on a GPU, not in interpret mode")
     if gemv and m != 1:
@@ -395,7 +410,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     m_pad = 1 if gemv else dot_tile(m)
     tiles_bn, tiles_cols, tiles_warps = GEMV_TILES if gemv else default_tiles(m_pad, n, pw.fmt)
     block_n, columns, num_warps = block_n or tiles_bn, columns or tiles_cols, num_warps or tiles_warps
-    prefetch = PREFETCH["gemv" if gemv else "mma"] if prefetch is None else prefetch
+    prefetch = PREFETCH[kernel] if prefetch is None else prefetch
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 K steps, got {prefetch}")
     step = units_per_step(pw.fmt, k, columns)
@@ -410,7 +425,8 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_gemv_kernel, pw.fmt, n, step, total // splits, block_n, names, prefetch) if gemv else
+        functools.partial(_gemv_kernel, pw.fmt, n, step, total // splits, block_n, names, asm and pw.fmt in PTX_FORMATS,
+                          prefetch) if gemv else
         functools.partial(_kernel, pw.fmt, n, step, total // splits, block_n, names, asm, prefetch),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),

@@ -317,6 +317,8 @@ def main() -> None:
     ap.add_argument("--dequant", choices=["ptx", "jnp"], default="ptx",
                     help="how the tensor-core kernel dequantizes Q4_K/Q6_K tiles (jnp: without the inline PTX, "
                          "to compare)")
+    ap.add_argument("--gemv_dequant", choices=["jnp", "ptx"], default="jnp",
+                    help="how the one-token GEMV dequantizes Q4_K/Q6_K tiles (ptx: by inline PTX, to compare)")
     ap.add_argument("--prefetch", default="", metavar="gemv=D,mma=D",
                     help="K steps qmatmul's kernels load ahead (default: qmatmul.PREFETCH), to compare")
     args = ap.parse_args()
@@ -324,17 +326,18 @@ def main() -> None:
     if set(prefetch) - set(qm.PREFETCH):
         ap.error(f"--prefetch names {', '.join(set(prefetch) - set(qm.PREFETCH))}; the kernels are "
                  f"{', '.join(qm.PREFETCH)}")
-    shipped, shipped_prefetch = qm.qmatmul, dict(qm.PREFETCH)
-    qm.PREFETCH.update(prefetch)  # for this run only, like the options below
-    options = ({"gemv": False} if args.one_token == "tensor_cores" else {}) | (
-        {"asm": False} if args.dequant == "jnp" else {})
-    if options:  # for this run only, every product takes the kernel variant asked for
-        qm.qmatmul = functools.partial(shipped, **options)
+    shipped = qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM)
+    # for this run only: the kernel variants asked for
+    qm.PREFETCH.update(prefetch)
+    qm.ASM.update(mma=args.dequant == "ptx", gemv=args.gemv_dequant == "ptx")
+    if args.one_token == "tensor_cores":
+        qm.qmatmul = functools.partial(shipped[0], gemv=False)
     try:
         run(args)
     finally:
-        qm.qmatmul = shipped
-        qm.PREFETCH.update(shipped_prefetch)
+        qm.qmatmul = shipped[0]
+        qm.PREFETCH.update(shipped[1])
+        qm.ASM.update(shipped[2])
 
 
 def run(args: argparse.Namespace) -> None:

@@ -57,22 +57,23 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
 
 
 def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
-    """--one_token tensor_cores sends one-token products to the tensor-core kernel, --dequant jnp makes the tiles
-    without inline PTX, --prefetch sets the kernels' loads ahead, during the run and only then."""
+    """--one_token tensor_cores sends one-token products to the tensor-core kernel, --dequant jnp makes its tiles
+    without inline PTX, --gemv_dequant ptx makes the GEMV's with it, --prefetch sets the kernels' loads ahead,
+    during the run and only then."""
     import bench
     from pallas_kernels import qmatmul as qm
 
-    shipped, shipped_prefetch, seen = qm.qmatmul, dict(qm.PREFETCH), []
-    monkeypatch.setattr(bench, "run", lambda args: seen.append((qm.qmatmul, dict(qm.PREFETCH))))
-    run_script(bench, ["--out", str(tmp_path / "x.json"), "--one_token", "tensor_cores"])
-    run_script(bench, ["--out", str(tmp_path / "x.json"), "--dequant", "jnp", "--one_token", "tensor_cores"])
-    run_script(bench, ["--out", str(tmp_path / "x.json"), "--prefetch", "gemv=2,mma=1"])
-    assert seen[0][0].func is shipped and seen[0][0].keywords == {"gemv": False}
-    assert seen[1][0].func is shipped and seen[1][0].keywords == {"gemv": False, "asm": False}
-    assert seen[2] == (shipped, {"gemv": 2, "mma": 1})
-    assert qm.qmatmul is shipped and qm.PREFETCH == shipped_prefetch
+    shipped, seen = (qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM)), []
+    monkeypatch.setattr(bench, "run", lambda args: seen.append((qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM))))
+    out = ["--out", str(tmp_path / "x.json")]
+    run_script(bench, out + ["--one_token", "tensor_cores"])
+    run_script(bench, out + ["--dequant", "jnp", "--gemv_dequant", "ptx", "--prefetch", "gemv=2,mma=1"])
+    run_script(bench, out)
+    assert seen[0][0].func is shipped[0] and seen[0][0].keywords == {"gemv": False} and seen[0][1:] == shipped[1:]
+    assert seen[1] == (shipped[0], {"gemv": 2, "mma": 1}, {"gemv": True, "mma": False})
+    assert seen[2] == shipped and (qm.qmatmul, qm.PREFETCH, qm.ASM) == shipped
     with pytest.raises(SystemExit):
-        run_script(bench, ["--out", str(tmp_path / "x.json"), "--prefetch", "tensor=1"])
+        run_script(bench, out + ["--prefetch", "tensor=1"])
 
 
 def test_gemv_probe_kernels_match_the_reference():
@@ -170,3 +171,22 @@ def test_gpu_step_profile_counts_busy_time_as_the_union_of_kernels():
     assert summarize([], steps=8) == {"steps": 8, "kernels": 0}
     text = table({"device": "d", "jax": "j", "date": "t", "model": "m", "modes": {"ar": r, "ddtree": summarize([], 1)}})
     assert "ar: span 6.00, busy 4.00, idle 2.00 (33 %), 2 launches" in text and "ddtree: no GPU kernel" in text
+
+
+def test_qmatmul_sass_reads_the_kernel_ir_and_its_loops():
+    """The parts of scripts/qmatmul_sass.py that need no Triton compiler: the kernel's Triton IR with the launch
+    settings qmatmul asks for, and the K loop found in a SASS listing by its backward branch."""
+    import qmatmul_sass
+    from pallas_kernels import qmatmul as qm
+
+    ir_text, warps, stages = qmatmul_sass.triton_ir("Q4_K", 64, 1024, 1, {"prefetch": 1})
+    assert '"tt.load"' in ir_text and '"scf.for"' in ir_text and (warps, stages) == (qm.GEMV_TILES[2], 3)
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/                   FFMA R8, R4, R5, R8 ;
+        /*0030*/               @P0 BRA 0x10 ;
+        /*0040*/                   EXIT ;
+        /*0050*/                   BRA 0x50;
+    """
+    assert qmatmul_sass.loops(sass) == [["LDG", "FFMA", "BRA"]]

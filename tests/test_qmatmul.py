@@ -194,14 +194,15 @@ def test_prefetch_at_27b_shapes(fmt, n, k, m, prefetch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", qm.PTX_FORMATS)
-@pytest.mark.parametrize("m", [16, 23])
+@pytest.mark.parametrize("m", [1, 16, 23])
 def test_inline_ptx_tiles_match_their_float32_form(fmt, m):
-    """The inline PTX that dequantizes Q4_K/Q6_K tiles against plane_tile's jnp (asm=False), both compiled."""
+    """The inline PTX that dequantizes Q4_K/Q6_K tiles against plane_tile's jnp (asm=False), both compiled: bf16
+    tiles in the tensor-core kernel, float32 ones in the GEMV (M = 1)."""
     pw = qm.pack(weight(fmt, 96, 1024, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, 1024), jnp.float32)
     got, emulated = qm.qmatmul(x, pw, asm=True), qm.qmatmul(x, pw, asm=False)
-    assert rel(got, emulated) < 1e-4  # float32 rounding may differ before the bf16 one
-    assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
+    assert rel(got, emulated) < (1e-5 if m == 1 else 1e-4)  # float32 rounding may differ (before the bf16 one)
+    assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-5 if m == 1 else BF16_TILES)
 
 
 def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path):
