@@ -8,7 +8,7 @@ listed). Each timed call runs the product over enough copies of the weight to be
 weights stream from HBM. Each product has two times: the median wall time of a call over its copies (us, ratio),
 which includes the call's dispatch and the wait for it, and the GPU kernel time of a traced call over its copies
 (kernel_us, kernel_ratio; benchlib.kernel_seconds), which does not. `--sweep` also times tile variants, `--splits`
-the K split over 1, 2, 4 and 8 programs.
+the K split over 1, 2, 4 and 8 programs, `--variants` any qmatmul options (e.g. `asm=1,prefetch=1`).
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
