@@ -312,7 +312,8 @@ def _k_loop(fmt: str, n_planes: int, reader, compute, steps: int, acc, prefetch:
     `x_tile`) reading from the refs (`valid`: see `_tile_reader`). With prefetch = 0 each step loads as it
     computes (the kernels as measured). With prefetch = d > 0 the loop carries d steps' tiles and loads step i + d's
     before computing step i, so that d steps' loads are in flight while one computes; loads past the last step are
-    masked off. Not yet timed on a GPU: an option for an A/B (`scripts/bench_kernels.py --variants prefetch=1`)."""
+    masked off. Not yet timed on a GPU: an option for an A/B (`scripts/bench_kernels.py --variants prefetch=1`); in
+    the tensor-core kernel it turns Triton's own load pipelining off (scripts/results/qmatmul_sass_cpu.txt)."""
     if not prefetch:
         return jax.lax.fori_loop(0, steps, lambda i, acc: compute(*reader(i, None), acc), acc)
 
