@@ -247,6 +247,13 @@ PREFETCH = {"gemv": 0, "mma": 0}
 ASM = {"gemv": False, "mma": True}
 
 
+def kernel_tiles(m: int, n: int, fmt: str, gemv: bool, block_n: int | None = None, columns: int | None = None,
+                 num_warps: int | None = None) -> tuple[int, int, int]:
+    """(rows of W per program, columns per K step, warps) that qmatmul runs: those given, else its defaults."""
+    bn, cols, warps = GEMV_TILES if gemv else default_tiles(dot_tile(m), n, fmt)
+    return block_n or bn, columns or cols, num_warps or warps
+
+
 def default_splits(n: int, steps: int, block_n: int, target: int = 1024) -> int:
     """Programs along K: the largest power of two, at most 8, that keeps row tiles x splits within `target` (about
     eight programs per multiprocessor of an H100) and divides the K steps evenly. On the 27B's 5120-row matrices
@@ -409,8 +416,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     if gemv and m != 1:
         raise ValueError(f"the GEMV kernel takes one row of x, got {m}")
     m_pad = 1 if gemv else dot_tile(m)
-    tiles_bn, tiles_cols, tiles_warps = GEMV_TILES if gemv else default_tiles(m_pad, n, pw.fmt)
-    block_n, columns, num_warps = block_n or tiles_bn, columns or tiles_cols, num_warps or tiles_warps
+    block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps)
     prefetch = PREFETCH[kernel] if prefetch is None else prefetch
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 K steps, got {prefetch}")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import copy_rate, environment, fit_verify_cost  # noqa: E402
+from benchlib import copy_rate, environment, fit_verify_cost, parse_options  # noqa: E402
 
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
@@ -322,7 +322,7 @@ def main() -> None:
     ap.add_argument("--prefetch", default="", metavar="gemv=D,mma=D",
                     help="K steps qmatmul's kernels load ahead (default: qmatmul.PREFETCH), to compare")
     args = ap.parse_args()
-    prefetch = {kernel: int(depth) for kernel, depth in (item.split("=") for item in args.prefetch.split(",") if item)}
+    prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):
         ap.error(f"--prefetch names {', '.join(set(prefetch) - set(qm.PREFETCH))}; the kernels are "
                  f"{', '.join(qm.PREFETCH)}")

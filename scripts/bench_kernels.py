@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import copy_rate, environment, gdn_layer_inputs, kernel_seconds, median_seconds  # noqa: E402
+from benchlib import (copy_rate, environment, gdn_layer_inputs, kernel_seconds, median_seconds,  # noqa: E402
+                      parse_options)
 
 from dflash_jax.config import load_target_config  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
@@ -91,11 +92,6 @@ def _line(name: str, fmt: str, m: int, what: str, r: dict) -> str:
     kernel = f"  kernel {r['kernel_us']:7.1f} us {r['kernel_ratio']:5.2f}" if "kernel_us" in r else ""
     return (f"  {name:12s} {fmt} M={m:2d} {what:45s} {r['us']:8.1f} us {r['rate'] / 1e12:5.2f} TB/s  "
             f"{r['ratio']:5.2f} of copy{kernel}")
-
-
-def parse_variant(text: str) -> dict:
-    """qmatmul options from `KEY=INT,KEY=INT` (e.g. `prefetch=1,block_n=16`; `m=M` keeps the variant to M tokens)."""
-    return {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
 
 
 def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None,
@@ -285,7 +281,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", help="matrices to run, as NAME:FMT (e.g. ffn_down:Q6_K)")
     ap.add_argument("--tiles", nargs="+", default=[], metavar="BN:COLS:WARPS",
                     help="also time qmatmul with these tiles (rows of W, columns per step, warps)")
-    ap.add_argument("--variants", nargs="+", default=[], type=parse_variant, metavar="KEY=INT,...",
+    ap.add_argument("--variants", nargs="+", default=[], type=parse_options, metavar="KEY=INT,...",
                     help="also time qmatmul with these options (e.g. prefetch=1 m=1,prefetch=1,block_n=16; "
                          "m=M times that variant at M tokens only)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],

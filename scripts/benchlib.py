@@ -67,6 +67,11 @@ def kernel_seconds(fn, *args, calls: int = 3) -> float:
     return sum(d for _, _, d in traced_gpu_events(fn, *args, calls=calls)) / 1e9 / calls
 
 
+def parse_options(text: str) -> dict[str, int]:
+    """`KEY=INT,KEY=INT` (e.g. `prefetch=1,block_n=16`) as a dict; an empty string gives {}."""
+    return {key: int(value) for key, value in (item.split("=") for item in text.split(",") if item)}
+
+
 def environment() -> dict:
     """Device, jax version and date for a results file."""
     dev = jax.devices()[0]

@@ -33,11 +33,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_kernels import parse_variant  # noqa: E402
+from benchlib import parse_options  # noqa: E402
 
 from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
-from pallas_kernels.tiles import dot_tile  # noqa: E402
 
 # (fmt, N, K, M): the 27B's largest Q4_K, Q5_K and Q6_K matrices at one token and at a 23-node tree's 32-row tile
 CASES = [f"{fmt}:{n}:{k}:{m}" for fmt, n, k in (("Q4_K", 17408, 5120), ("Q5_K", 10240, 5120), ("Q6_K", 5120, 17408))
@@ -105,8 +104,7 @@ def loops(sass: str) -> list[list[str]]:
 def analyse(fmt: str, n: int, k: int, m: int, opts: dict) -> dict:
     """The compiled kernel's resources and its K loop's instruction mix (see the module docstring)."""
     gemv = opts.get("gemv", m == 1)
-    bn, columns, _ = qm.GEMV_TILES if gemv else qm.default_tiles(dot_tile(m), n, fmt)
-    bn, columns = opts.get("block_n", bn), opts.get("columns", columns)
+    bn, columns, _ = qm.kernel_tiles(m, n, fmt, gemv, opts.get("block_n"), opts.get("columns"))
     ir_text, warps, stages = triton_ir(fmt, n, k, m, opts)
     ttgir, sass, usage, shared = compile_sm90(ir_text, warps, stages)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
@@ -127,7 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="text table")
     ap.add_argument("--cases", nargs="+", default=CASES, metavar="FMT:N:K:M")
-    ap.add_argument("--variants", nargs="+", default=[parse_variant(v) for v in VARIANTS], type=parse_variant,
+    ap.add_argument("--variants", nargs="+", default=[parse_options(v) for v in VARIANTS], type=parse_options,
                     metavar="KEY=INT,...", help="qmatmul options per row (as bench_kernels.py --variants: m=M keeps "
                                                 "one to M tokens)")
     args = ap.parse_args()
