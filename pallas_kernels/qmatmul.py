@@ -25,10 +25,11 @@ tile by the activations in the tile's own shape and accumulates it, and sums the
 that is 1.0-1.7x faster per matrix than the tensor-core kernel at M = 1 (scripts/results/qmatmul_h100_gemv.json)
 and takes the 27B's AR step from 23.5 to 16.0 ms (scripts/results/ar_one_token_h100.txt).
 
-Two options are written and tested but not yet timed, so off by default (`ASM`, `PREFETCH`): the GEMV's Q4_K/Q6_K
-tiles by the same inline PTX in float32 (`asm=True` at M = 1: 5.75 and 6.34 SASS instructions per weight instead of
-7.25 and 11.6), and loading K steps ahead of the one computed (`prefetch`); scripts/qmatmul_sass.py reads both in
-the compiled code on a CPU (scripts/results/qmatmul_sass_cpu.txt).
+The GEMV also dequantizes Q4_K/Q6_K tiles by the inline PTX, in float32 (5.75 and 6.34 SASS instructions per
+weight instead of 7.25 and 11.6, scripts/results/qmatmul_sass_cpu.txt), and loads one K step ahead of the one it
+computes (`prefetch`, `_k_loop`): 13.2 against 15.6 ms for the AR step on an H100 (`ASM`, `PREFETCH`;
+scripts/results/ar_gemv_h100.txt). `int8_x` takes the int8-activation GEMV instead (gemv_int8.py): faster
+kernels, but not yet a faster step, so off by default (`INT8_X`).
 
 Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
 """
@@ -242,15 +243,22 @@ def default_tiles(m_pad: int, n: int, fmt: str) -> tuple[int, int, int]:
 # 27B's Q4_K, Q5_K and Q6_K shapes at M = 1 (scripts/qmatmul_gemv_probe.py generic, 4 warps)
 GEMV_TILES = (8, 512, 4)
 # Defaults by kernel: K steps loaded ahead of the one computed (`_k_loop`), and Q4_K/Q6_K tiles by inline PTX
-# (`plane_tile_asm`, GPU only; the GEMV's float32 form is not yet timed, scripts/results/qmatmul_sass_cpu.txt)
-PREFETCH = {"gemv": 0, "mma": 0}
-ASM = {"gemv": False, "mma": True}
+# (`plane_tile_asm`, GPU only); chosen by timings on an H100 (README, "The GEMV's options, timed")
+PREFETCH = {"gemv": 1, "mma": 0}
+ASM = {"gemv": True, "mma": True}
+# Whether one-token products of Q4_K/Q6_K weights quantize x to int8 per weight group and multiply by dp4a
+# (pallas_kernels/gemv_int8.py) instead of dequantizing the weights to float32: 0 no, 1 with x quantized by XLA ops
+# before the kernel, 2 inside the kernel. 0, as the AR step of 1 has not been faster (scripts/results/
+# ar_gemv_h100.txt); 2 is not yet timed
+INT8_X = 0
+INT8_X_MODES = (0, 1, 2)
+GEMV_INT8_TILES = (8, 1024, 4)  # (rows, columns, warps) of that kernel
 
 
 def kernel_tiles(m: int, n: int, fmt: str, gemv: bool, block_n: int | None = None, columns: int | None = None,
-                 num_warps: int | None = None) -> tuple[int, int, int]:
+                 num_warps: int | None = None, int8_x: bool = False) -> tuple[int, int, int]:
     """(rows of W per program, columns per K step, warps) that qmatmul runs: those given, else its defaults."""
-    bn, cols, warps = GEMV_TILES if gemv else default_tiles(dot_tile(m), n, fmt)
+    bn, cols, warps = (GEMV_INT8_TILES if int8_x else GEMV_TILES) if gemv else default_tiles(dot_tile(m), n, fmt)
     return block_n or bn, columns or cols, num_warps or warps
 
 
@@ -276,7 +284,7 @@ def units_per_step(fmt: str, k: int, columns: int = 512) -> int:
     return s
 
 
-def _tile_reader(w: dict, r0, row_ok: jax.Array, block_n: int, start, step: int, valid=None):
+def tile_reader(w: dict, r0, row_ok: jax.Array, block_n: int, start, step: int, valid=None):
     """`get(name, *index)` for `plane_tile`: a field's tile of `block_n` rows from r0 and `step` units from `start`,
     the trailing indices applied; rows past N read zeros, and so does every row when `valid` (a scalar) is False."""
     ok = row_ok if valid is None else row_ok & valid
@@ -316,11 +324,11 @@ def _from_tiles(tiles: dict[str, jax.Array]):
 
 def _k_loop(fmt: str, n_planes: int, reader, compute, steps: int, acc, prefetch: int):
     """acc after `compute(get, x_tile, acc)` over the K steps, where `reader(i, valid)` gives step i's (`get`,
-    `x_tile`) reading from the refs (`valid`: see `_tile_reader`). With prefetch = 0 each step loads as it
-    computes (the kernels as measured). With prefetch = d > 0 the loop carries d steps' tiles and loads step i + d's
-    before computing step i, so that d steps' loads are in flight while one computes; loads past the last step are
-    masked off. Not yet timed on a GPU: an option for an A/B (`scripts/bench_kernels.py --variants prefetch=1`); in
-    the tensor-core kernel it turns Triton's own load pipelining off (scripts/results/qmatmul_sass_cpu.txt)."""
+    `x_tile`) reading from the refs (`valid`: see `tile_reader`). With prefetch = 0 each step loads as it
+    computes. With prefetch = d > 0 the loop carries d steps' tiles and loads step i + d's before computing step i,
+    so that d steps' loads are in flight while one computes; loads past the last step are masked off. The GEMV
+    takes d = 1 (faster on an H100; d = 2 was slower); in the tensor-core kernel it turns Triton's own load
+    pipelining off (scripts/results/qmatmul_sass_cpu.txt), so d = 0 there."""
     if not prefetch:
         return jax.lax.fori_loop(0, steps, lambda i, acc: compute(*reader(i, None), acc), acc)
 
@@ -346,7 +354,7 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
 
     def reader(i, valid):
         i = split * steps + i
-        return (_tile_reader(w, r0, row_ok, block_n, i * step, step, valid),
+        return (tile_reader(w, r0, row_ok, block_n, i * step, step, valid),
                 lambda plane: x_ref[plane, :, pl.ds(i * step * width, step * width)])
 
     def compute(get, x_tile, acc):
@@ -375,7 +383,7 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
     def reader(i, valid):
         i = split * steps + i
-        return (_tile_reader(w, r0, row_ok, block_n, i * step, step, valid),
+        return (tile_reader(w, r0, row_ok, block_n, i * step, step, valid),
                 lambda plane: x_ref[plane, pl.ds(i * step, step)])
 
     def compute(get, x_tile, acc):
@@ -393,15 +401,18 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
-                                             "asm", "prefetch", "interpret"))
+                                             "asm", "prefetch", "int8_x", "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
             splits: int | None = None, num_warps: int | None = None, num_stages: int = 3, gemv: bool | None = None,
-            asm: bool | None = None, prefetch: int | None = None, interpret: bool = False) -> jax.Array:
+            asm: bool | None = None, prefetch: int | None = None, int8_x: int | None = None,
+            interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
     GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` makes Q4_K/Q6_K
     tiles with inline PTX (`plane_tile_asm`; GPU only), `prefetch` loads K steps ahead of the one computed
-    (`_k_loop`); their defaults are `ASM` (on a GPU) and `PREFETCH`, by kernel."""
+    (`_k_loop`); their defaults are `ASM` (on a GPU) and `PREFETCH`, by kernel. `int8_x` (default `INT8_X`) makes
+    the GEMV of a Q4_K/Q6_K weight quantize x to int8 per weight group and multiply by dp4a (gemv_int8.py): 1 with x
+    quantized before the kernel, 2 inside it; other formats keep the float32 GEMV."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -416,10 +427,20 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     if gemv and m != 1:
         raise ValueError(f"the GEMV kernel takes one row of x, got {m}")
     m_pad = 1 if gemv else dot_tile(m)
-    block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps)
+    int8_x = INT8_X if int8_x is None else int8_x
+    if int8_x not in INT8_X_MODES:
+        raise ValueError(f"int8_x is one of {INT8_X_MODES} (off, x quantized before the kernel, inside it), "
+                         f"got {int8_x}")
+    int8_x = int8_x if gemv and pw.fmt in ("Q4_K", "Q6_K") else 0
+    block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps, bool(int8_x))
     prefetch = PREFETCH[kernel] if prefetch is None else prefetch
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 K steps, got {prefetch}")
+    if int8_x:
+        from pallas_kernels import gemv_int8  # imported here: gemv_int8 builds on this module's helpers
+        return gemv_int8.gemv_int8(x, pw, in_kernel=int8_x == 2, block_n=block_n, columns=columns, splits=splits,
+                                   num_warps=num_warps, num_stages=num_stages, asm=asm, prefetch=prefetch,
+                                   interpret=interpret)
     step = units_per_step(pw.fmt, k, columns)
     total = k // unit(pw.fmt, k) // step
     splits = splits or default_splits(n, total, block_n, target=2048 if gemv else 1024)

@@ -314,11 +314,12 @@ def main() -> None:
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
     ap.add_argument("--one_token", choices=["gemv", "tensor_cores"], default="gemv",
                     help="qmatmul's kernel for one-token products (tensor_cores: the M > 1 kernel, to compare)")
-    ap.add_argument("--dequant", choices=["ptx", "jnp"], default="ptx",
-                    help="how the tensor-core kernel dequantizes Q4_K/Q6_K tiles (jnp: without the inline PTX, "
-                         "to compare)")
-    ap.add_argument("--gemv_dequant", choices=["jnp", "ptx"], default="jnp",
-                    help="how the one-token GEMV dequantizes Q4_K/Q6_K tiles (ptx: by inline PTX, to compare)")
+    ap.add_argument("--dequant", choices=["ptx", "jnp"], default=None,
+                    help="how the tensor-core kernel dequantizes Q4_K/Q6_K tiles (default: qmatmul.ASM; jnp: "
+                         "without the inline PTX, to compare)")
+    ap.add_argument("--gemv_dequant", choices=["ptx", "jnp"], default=None,
+                    help="how the one-token GEMV dequantizes Q4_K/Q6_K tiles (default: qmatmul.ASM; jnp: without "
+                         "the inline PTX, to compare)")
     ap.add_argument("--prefetch", default="", metavar="gemv=D,mma=D",
                     help="K steps qmatmul's kernels load ahead (default: qmatmul.PREFETCH), to compare")
     args = ap.parse_args()
@@ -329,7 +330,8 @@ def main() -> None:
     shipped = qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM)
     # for this run only: the kernel variants asked for
     qm.PREFETCH.update(prefetch)
-    qm.ASM.update(mma=args.dequant == "ptx", gemv=args.gemv_dequant == "ptx")
+    qm.ASM.update({kernel: choice == "ptx" for kernel, choice in (("mma", args.dequant), ("gemv", args.gemv_dequant))
+                   if choice})
     if args.one_token == "tensor_cores":
         qm.qmatmul = functools.partial(shipped[0], gemv=False)
     try:

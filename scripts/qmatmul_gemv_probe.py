@@ -112,7 +112,7 @@ def _gen_kernel(fmt, n, step, steps, BN, names, full_acc, *refs):
 
     def body(i, acc):
         i = split * steps + i
-        get = qm._tile_reader(w, r0, row_ok, BN, i * step, step)
+        get = qm.tile_reader(w, r0, row_ok, BN, i * step, step)
         for plane in range(n_planes):
             tile = qm.plane_tile(fmt, plane, get)
             xt = x_ref[plane, pl.ds(i * step, step)]

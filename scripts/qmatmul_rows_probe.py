@@ -46,7 +46,7 @@ def _swap_kernel(fmt, n, step, steps, block_n, names, *refs):
 
     def body(i, acc):
         i = split * steps + i
-        get = qm._tile_reader(w, r0, row_ok, block_n, i * step, step)
+        get = qm.tile_reader(w, r0, row_ok, block_n, i * step, step)
         for plane in range(n_planes):
             if fmt == "BF16":
                 tile = get("w")
@@ -135,7 +135,7 @@ def _mode_kernel(mode, n, step, steps, block_n, names, *refs):
 
     def body(i, acc):
         i = split * steps + i
-        get = qm._tile_reader(w, r0, row_ok, block_n, i * step, step)
+        get = qm.tile_reader(w, r0, row_ok, block_n, i * step, step)
         for plane, tile in enumerate(_q4k_planes(mode, get)):
             xt = x_ref[plane, :, pl.ds(i * step * width, step * width)]
             acc = acc + jax.lax.dot_general(xt, tile.reshape(block_n, -1), (((1,), (1,)), ((), ())),

@@ -41,9 +41,14 @@ from pallas_kernels import qmatmul as qm  # noqa: E402
 # (fmt, N, K, M): the 27B's largest Q4_K, Q5_K and Q6_K matrices at one token and at a 23-node tree's 32-row tile
 CASES = [f"{fmt}:{n}:{k}:{m}" for fmt, n, k in (("Q4_K", 17408, 5120), ("Q5_K", 10240, 5120), ("Q6_K", 5120, 17408))
          for m in (1, 23)]
-# the shipped defaults, loads ahead, and the inline PTX on (GEMV) or off (tensor cores), where they are not the default
-VARIANTS = ["prefetch=0", "prefetch=1", "prefetch=2", "m=1,asm=1", "m=1,asm=1,prefetch=1", "m=1,asm=1,prefetch=2",
-            "m=23,asm=0"]
+# M = 1: the GEMV as first shipped (jnp dequantization, no loads ahead), with inline PTX, with loads 1 (the default
+# since 2026-11-25) and 2 steps ahead; the int8-activation GEMV with x quantized before the kernel (int8_x=1; 512 and
+# 1024 columns a step, the latter its default) and inside it (int8_x=2; 8, 16 and 32 rows a program). M = 23: the
+# tensor-core kernel's defaults, loads ahead, and the inline PTX off
+VARIANTS = ["m=1,asm=0,prefetch=0", "m=1,asm=1,prefetch=0", "m=1,asm=1,prefetch=1", "m=1,asm=1,prefetch=2",
+            "m=1,int8_x=1,columns=512,prefetch=0", "m=1,int8_x=1,prefetch=0", "m=1,int8_x=1,prefetch=1",
+            "m=1,int8_x=2,prefetch=0", "m=1,int8_x=2,prefetch=0,block_n=16", "m=1,int8_x=2,prefetch=0,block_n=32",
+            "m=23,prefetch=0", "m=23,prefetch=1", "m=23,prefetch=2", "m=23,asm=0"]
 REGISTERS_PER_SM, SHARED_PER_SM = 65536, 228 * 1024
 
 
@@ -104,7 +109,8 @@ def loops(sass: str) -> list[list[str]]:
 def analyse(fmt: str, n: int, k: int, m: int, opts: dict) -> dict:
     """The compiled kernel's resources and its K loop's instruction mix (see the module docstring)."""
     gemv = opts.get("gemv", m == 1)
-    bn, columns, _ = qm.kernel_tiles(m, n, fmt, gemv, opts.get("block_n"), opts.get("columns"))
+    int8_x = gemv and bool(opts.get("int8_x", qm.INT8_X)) and fmt in ("Q4_K", "Q6_K")
+    bn, columns, _ = qm.kernel_tiles(m, n, fmt, gemv, opts.get("block_n"), opts.get("columns"), int8_x=int8_x)
     ir_text, warps, stages = triton_ir(fmt, n, k, m, opts)
     ttgir, sass, usage, shared = compile_sm90(ir_text, warps, stages)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))

@@ -58,8 +58,8 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
 
 def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
     """--one_token tensor_cores sends one-token products to the tensor-core kernel, --dequant jnp makes its tiles
-    without inline PTX, --gemv_dequant ptx makes the GEMV's with it, --prefetch sets the kernels' loads ahead,
-    during the run and only then."""
+    without inline PTX, --gemv_dequant jnp the GEMV's too, --prefetch sets the kernels' loads ahead, during the run
+    and only then; with none of them the run takes qmatmul's defaults."""
     import bench
     from pallas_kernels import qmatmul as qm
 
@@ -67,13 +67,38 @@ def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run", lambda args: seen.append((qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM))))
     out = ["--out", str(tmp_path / "x.json")]
     run_script(bench, out + ["--one_token", "tensor_cores"])
-    run_script(bench, out + ["--dequant", "jnp", "--gemv_dequant", "ptx", "--prefetch", "gemv=2,mma=1"])
+    run_script(bench, out + ["--dequant", "jnp", "--gemv_dequant", "jnp", "--prefetch", "gemv=2,mma=1"])
     run_script(bench, out)
     assert seen[0][0].func is shipped[0] and seen[0][0].keywords == {"gemv": False} and seen[0][1:] == shipped[1:]
-    assert seen[1] == (shipped[0], {"gemv": 2, "mma": 1}, {"gemv": True, "mma": False})
+    assert seen[1] == (shipped[0], {"gemv": 2, "mma": 1}, {"gemv": False, "mma": False})
+    assert shipped[2] == {"gemv": True, "mma": True}  # so the switches above turned something off
     assert seen[2] == shipped and (qm.qmatmul, qm.PREFETCH, qm.ASM) == shipped
     with pytest.raises(SystemExit):
         run_script(bench, out + ["--prefetch", "tensor=1"])
+
+
+def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):
+    """scripts/ar_variants.py on the tiny pair: each variant's options are in force for its run only, every round
+    runs every variant, the table is printed; unknown keys are refused."""
+    import ar_variants
+    from pallas_kernels import qmatmul as qm
+
+    shipped = ar_variants.shipped_defaults()
+    out = tmp_path / "ar.json"
+    run_script(ar_variants, ["--out", str(out), "--model", "tiny", "--impl", "reference", "--variants", "shipped",
+                             "int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", "--rounds", "2", "--n_gen", "4",
+                             "--prompt_len", "8", "--max_ctx", "64"])
+    assert ar_variants.shipped_defaults() == shipped
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["round"]) for r in rows] == [
+        ("shipped", 1), ("int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", 1), ("shipped", 2),
+        ("int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", 2)]
+    assert (rows[0]["int8_x"], rows[0]["prefetch"], rows[0]["asm"]) == (qm.INT8_X, qm.PREFETCH, qm.ASM)
+    assert rows[1]["int8_x"] and rows[1]["prefetch"]["gemv"] == 2 and rows[1]["int8_tiles"][0] == 16
+    assert not rows[1]["asm"]["mma"] and all(r["step_ms"] > 0 and r["parts_at"] is None for r in rows)
+    assert "greedy tokens part at" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown option"):
+        ar_variants.options("gemv_tiles=3")
 
 
 def test_gemv_probe_kernels_match_the_reference():

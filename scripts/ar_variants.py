@@ -1,0 +1,129 @@
+"""The synthetic 27B's AR decode step under qmatmul kernel options, alternated in one process (one model build).
+
+    python scripts/ar_variants.py --out ar_variants.json --variants shipped gemv_asm=1 gemv_asm=1,gemv_prefetch=1
+
+A variant is `KEY=INT,...` over qmatmul's defaults (keys: gemv_asm, gemv_prefetch, mma_asm, mma_prefetch, int8_x,
+int8_block_n, int8_columns, int8_warps; `shipped` for none). Each round runs every variant in turn: jax's caches
+are cleared (so the kernels are traced again with the options), an AR engine generates `--n_gen` tokens after a
+random prompt, and the step time is the decode time less the first step over the remaining steps. Also listed:
+where each variant's greedy continuation first differs from the first variant's (options that change float32
+rounding may part the near-tied logits of random weights). A table is printed last. `--model tiny` runs the same
+on a tiny random pair (a quick check, also on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import NO_STOPS, engine_for, make_models  # noqa: E402
+from benchlib import copy_rate, environment, parse_options  # noqa: E402
+
+from pallas_kernels import qmatmul as qm  # noqa: E402
+
+def _set_tile(index: int):
+    def set_tile(value: int) -> None:
+        tiles = list(qm.GEMV_INT8_TILES)
+        tiles[index] = value
+        qm.GEMV_INT8_TILES = tuple(tiles)
+    return set_tile
+
+
+# what each option key sets in qmatmul (its defaults tables)
+SETTERS = {**{f"{kernel}_asm": (lambda v, k=kernel: qm.ASM.__setitem__(k, bool(v))) for kernel in qm.ASM},
+           **{f"{kernel}_prefetch": (lambda v, k=kernel: qm.PREFETCH.__setitem__(k, v)) for kernel in qm.PREFETCH},
+           "int8_x": lambda v: setattr(qm, "INT8_X", v),
+           **{f"int8_{name}": _set_tile(i) for i, name in enumerate(("block_n", "columns", "warps"))}}
+
+
+def options(spec: str) -> dict[str, int]:
+    """KEY=INT options of a variant spec (`shipped`: none)."""
+    opts = {} if spec == "shipped" else parse_options(spec)
+    unknown = set(opts) - set(SETTERS)
+    if unknown:
+        raise SystemExit(f"unknown option(s) {', '.join(sorted(unknown))}; the keys are {', '.join(SETTERS)}")
+    return opts
+
+
+def shipped_defaults() -> tuple:
+    return dict(qm.PREFETCH), dict(qm.ASM), qm.INT8_X, qm.GEMV_INT8_TILES
+
+
+def restore(defaults: tuple) -> None:
+    qm.PREFETCH.update(defaults[0])
+    qm.ASM.update(defaults[1])
+    qm.INT8_X, qm.GEMV_INT8_TILES = defaults[2:]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where a and b differ (None: equal over the shorter)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", choices=["27b", "tiny"], default="27b", help="tiny: a quick check, also on a CPU")
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--variants", nargs="+", default=["shipped"])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--n_gen", type=int, default=128)
+    ap.add_argument("--prompt_len", type=int, default=64)
+    ap.add_argument("--max_ctx", type=int, default=1024)
+    args = ap.parse_args()
+    variants = {spec: options(spec) for spec in args.variants}
+    shipped = shipped_defaults()
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)  # noqa: E731
+    res: dict = {**environment(), "args": vars(args) | {"out": str(args.out)}, "rows": []}
+    scale = 1.0 if jax.default_backend() == "gpu" else 0.125
+    res["copy_rate"] = copy_rate(scale)
+    target, draft, info = make_models(args.model, args.impl, log)
+    floor_ms = 1e3 * info["step_weight_bytes"] / res["copy_rate"]
+    log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s, models made in {info['make_s']:.0f} s, "
+        f"roofline {floor_ms:.2f} ms")
+    prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.prompt_len).tolist()
+    first_tokens: list[int] | None = None
+    try:
+        for rnd in range(args.rounds):
+            for spec, opts in variants.items():
+                restore(shipped)
+                for key, value in opts.items():
+                    SETTERS[key](value)
+                jax.clear_caches()
+                engine = engine_for(target, draft, "ar", max_ctx=args.max_ctx)
+                t0 = time.perf_counter()
+                engine.generate(prompt, 2, NO_STOPS)
+                compile_s = time.perf_counter() - t0
+                gen = engine.generate(prompt, args.n_gen, NO_STOPS)
+                step_ms = 1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1)
+                first_tokens = first_tokens or gen.tokens
+                row = dict(variant=spec, round=rnd + 1, step_ms=step_ms, tokens_per_s=1e3 / step_ms,
+                           roofline_fraction=floor_ms / step_ms, compile_s=compile_s,
+                           parts_at=first_difference(gen.tokens, first_tokens), asm=dict(qm.ASM),
+                           prefetch=dict(qm.PREFETCH), int8_x=qm.INT8_X, int8_tiles=qm.GEMV_INT8_TILES)
+                res["rows"].append(row)
+                log(f"{spec:32s} round {rnd + 1}: step {step_ms:.2f} ms ({floor_ms / step_ms:.2f} of roofline), "
+                    f"first {compile_s:.0f} s")
+                args.out.write_text(json.dumps(res, indent=1, default=float))
+    finally:
+        restore(shipped)
+    res["copy_rate_after"] = copy_rate(scale)
+    args.out.write_text(json.dumps(res, indent=1, default=float))
+    print(f"\n# {res['device']}, jax {res['jax']}, {res['date']}; copy rate {res['copy_rate'] / 1e9:.0f} GB/s "
+          f"(after: {res['copy_rate_after'] / 1e9:.0f}); roofline {floor_ms:.2f} ms")
+    print(f"{'variant':32s} round  AR step   tok/s  of roofline  greedy tokens part at")
+    for r in res["rows"]:
+        print(f"{r['variant']:32s} {r['round']:5d}  {r['step_ms']:6.2f} ms  {r['tokens_per_s']:5.1f}  "
+              f"{r['roofline_fraction']:11.2f}  {r['parts_at']}")
+
+
+if __name__ == "__main__":
+    main()
