@@ -5,16 +5,17 @@
 A variant is `KEY=INT,...` over qmatmul's defaults (keys: gemv_asm, gemv_prefetch, mma_asm, mma_prefetch, int8_x,
 int8_block_n, int8_columns, int8_warps; `shipped` for none). Each round runs every variant in turn: jax's caches
 are cleared (so the kernels are traced again with the options), an AR engine generates `--n_gen` tokens after a
-random prompt, and the step time is the decode time less the first step over the remaining steps. Also listed:
-where each variant's greedy continuation first differs from the first variant's (options that change float32
-rounding may part the near-tied logits of random weights). A table is printed last. `--model tiny` runs the same
-on a tiny random pair (a quick check, also on a CPU).
+random prompt `--repeats` times, and the step time is the median over those generations of the decode time less
+the first step over the remaining steps. Also listed: where each variant's greedy continuation first differs from
+the first variant's (options that change float32 rounding may part the near-tied logits of random weights). A
+table is printed last. `--model tiny` runs the same on a tiny random pair (a quick check, also on a CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--variants", nargs="+", default=["shipped"])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="generations timed per variant and round (median)")
     ap.add_argument("--n_gen", type=int, default=128)
     ap.add_argument("--prompt_len", type=int, default=64)
     ap.add_argument("--max_ctx", type=int, default=1024)
@@ -102,10 +104,13 @@ def main() -> None:
                 t0 = time.perf_counter()
                 engine.generate(prompt, 2, NO_STOPS)
                 compile_s = time.perf_counter() - t0
-                gen = engine.generate(prompt, args.n_gen, NO_STOPS)
-                step_ms = 1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1)
+                times = []
+                for _ in range(args.repeats):
+                    gen = engine.generate(prompt, args.n_gen, NO_STOPS)
+                    times.append(1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1))
+                step_ms = statistics.median(times)
                 first_tokens = first_tokens or gen.tokens
-                row = dict(variant=spec, round=rnd + 1, step_ms=step_ms, tokens_per_s=1e3 / step_ms,
+                row = dict(variant=spec, round=rnd + 1, step_ms=step_ms, step_ms_each=times, tokens_per_s=1e3 / step_ms,
                            roofline_fraction=floor_ms / step_ms, compile_s=compile_s,
                            parts_at=first_difference(gen.tokens, first_tokens), asm=dict(qm.ASM),
                            prefetch=dict(qm.PREFETCH), int8_x=qm.INT8_X, int8_tiles=qm.GEMV_INT8_TILES)

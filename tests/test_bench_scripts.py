@@ -87,7 +87,7 @@ def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):
     out = tmp_path / "ar.json"
     run_script(ar_variants, ["--out", str(out), "--model", "tiny", "--impl", "reference", "--variants", "shipped",
                              "int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", "--rounds", "2", "--n_gen", "4",
-                             "--prompt_len", "8", "--max_ctx", "64"])
+                             "--prompt_len", "8", "--max_ctx", "64", "--repeats", "2"])
     assert ar_variants.shipped_defaults() == shipped
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["round"]) for r in rows] == [
@@ -96,6 +96,7 @@ def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):
     assert (rows[0]["int8_x"], rows[0]["prefetch"], rows[0]["asm"]) == (qm.INT8_X, qm.PREFETCH, qm.ASM)
     assert rows[1]["int8_x"] and rows[1]["prefetch"]["gemv"] == 2 and rows[1]["int8_tiles"][0] == 16
     assert not rows[1]["asm"]["mma"] and all(r["step_ms"] > 0 and r["parts_at"] is None for r in rows)
+    assert all(len(r["step_ms_each"]) == 2 and min(r["step_ms_each"]) <= r["step_ms"] for r in rows)
     assert "greedy tokens part at" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown option"):
         ar_variants.options("gemv_tiles=3")
