@@ -15,7 +15,7 @@ Columns: registers per thread; programs per SM that the registers allow (65536 p
 the shared memory allows (228 KiB); `async`: whether the compiled kernel copies global memory to shared memory
 asynchronously (how Triton pipelines loads over `num_stages`); the K loop's SASS instructions per thread per step,
 the weights each thread covers per step, and their ratio; LDG: global loads per thread per step; the loop's most
-frequent opcodes.
+frequent opcodes (IMAD.MOV: a register move, which ptxas issues on the integer multiply-add unit).
 """
 
 from __future__ import annotations
@@ -95,14 +95,16 @@ def compile_sm90(ir_text: str, warps: int, stages: int) -> tuple[str, str, str, 
 
 
 def loops(sass: str) -> list[list[str]]:
-    """Each loop's opcodes (without modifiers), the body between a backward branch's target and the branch."""
+    """Each loop's opcodes (without modifiers, but a register move by IMAD, IMAD.MOV, kept apart from arithmetic),
+    the body between a backward branch's target and the branch."""
     code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
             if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line))]
     found = []
     for end, op, line in code:
         target = re.search(r"BRA (0x[0-9a-f]+)", line) if op.startswith("BRA") else None
         if target and int(target.group(1), 16) < end:
-            found.append([o.split(".")[0] for a, o, _ in code if int(target.group(1), 16) <= a <= end])
+            found.append(["IMAD.MOV" if o.startswith("IMAD.MOV") else o.split(".")[0]
+                          for a, o, _ in code if int(target.group(1), 16) <= a <= end])
     return found
 
 

@@ -211,8 +211,10 @@ def test_qmatmul_sass_reads_the_kernel_ir_and_its_loops():
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
         /*0020*/                   FFMA R8, R4, R5, R8 ;
+        /*0028*/                   IMAD.MOV.U32 R9, RZ, RZ, R8 ;
+        /*002c*/                   IMAD.WIDE R2, R9, 0x4, R2 ;
         /*0030*/               @P0 BRA 0x10 ;
         /*0040*/                   EXIT ;
         /*0050*/                   BRA 0x50;
     """
-    assert qmatmul_sass.loops(sass) == [["LDG", "FFMA", "BRA"]]
+    assert qmatmul_sass.loops(sass) == [["LDG", "FFMA", "IMAD.MOV", "IMAD", "BRA"]]  # a move kept apart
