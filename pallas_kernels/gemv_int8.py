@@ -21,9 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.qmatmul import PackedWeight, default_splits, dequantize_packed, tile_reader, units_per_step
-
-FORMATS = ("Q4_K", "Q6_K")
+from pallas_kernels.qmatmul import INT8_X_FORMATS as FORMATS
+from pallas_kernels.qmatmul import PackedWeight, dequantize_packed, k_steps, prefetch_loop, tile_reader
 NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of a word
 
 
@@ -184,16 +183,7 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
         return acc
 
     acc = jnp.zeros((block_n, step) + ((4,) if fmt == "Q4_K" else (2, 2)), jnp.float32)
-    if not prefetch:
-        acc = jax.lax.fori_loop(0, steps, lambda i, acc: compute(load(i, None), acc), acc)
-    else:  # carry `prefetch` steps' tiles; step i + prefetch's loads go out before step i's arithmetic
-        def body(i, carry):
-            acc, ahead = carry
-            nxt = load(jnp.minimum(i + prefetch, steps - 1), i + prefetch < steps)
-            return compute(ahead[0], acc), ahead[1:] + (nxt,)
-
-        ahead = tuple(load(min(j, steps - 1), j < steps) for j in range(prefetch))
-        acc = jax.lax.fori_loop(0, steps, body, (acc, ahead))[0]
+    acc = prefetch_loop(load, compute, steps, acc, prefetch)
     while acc.ndim > 1:
         acc = jnp.sum(acc, axis=-1)
     o_ref[split, 0, pl.ds(r0, block_n)] = acc
@@ -212,16 +202,12 @@ def gemv_int8(x: jax.Array, pw: PackedWeight, *, in_kernel: bool, block_n: int, 
     else:
         xq = quantize_x(pw.fmt, x[0])
         x_args = [xq["words"], xq["scale"], xq["qsum"]]
-    step = units_per_step(pw.fmt, k, columns)
-    total = k // 256 // step
-    splits = splits or default_splits(n, total, block_n, target=2048)
-    if total % splits:
-        raise ValueError(f"{total} K steps do not split {splits} ways")
+    step, steps, splits = k_steps(pw.fmt, n, k, block_n, columns, splits, target=2048)
     words = weight_words(pw)
     names = tuple(sorted(words))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_kernel, pw.fmt, n, step, total // splits, block_n, names, asm, prefetch, in_kernel),
+        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch, in_kernel),
         out_shape=jax.ShapeDtypeStruct((splits, 1, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

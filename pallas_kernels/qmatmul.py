@@ -252,14 +252,36 @@ ASM = {"gemv": True, "mma": True}
 # ar_gemv_h100.txt); 2 is not yet timed
 INT8_X = 0
 INT8_X_MODES = (0, 1, 2)
+INT8_X_FORMATS = ("Q4_K", "Q6_K")  # the weights that kernel takes
 GEMV_INT8_TILES = (8, 1024, 4)  # (rows, columns, warps) of that kernel
 
 
+def int8_x_mode(int8_x: int, gemv: bool, fmt: str) -> int:
+    """The `int8_x` mode a product runs: the one asked for where the int8-activation GEMV applies (one token, a
+    Q4_K/Q6_K weight), else 0."""
+    if int8_x not in INT8_X_MODES:
+        raise ValueError(f"int8_x is one of {INT8_X_MODES} (off, x quantized before the kernel, inside it), "
+                         f"got {int8_x}")
+    return int8_x if gemv and fmt in INT8_X_FORMATS else 0
+
+
 def kernel_tiles(m: int, n: int, fmt: str, gemv: bool, block_n: int | None = None, columns: int | None = None,
-                 num_warps: int | None = None, int8_x: bool = False) -> tuple[int, int, int]:
+                 num_warps: int | None = None, int8_x: int = 0) -> tuple[int, int, int]:
     """(rows of W per program, columns per K step, warps) that qmatmul runs: those given, else its defaults."""
-    bn, cols, warps = (GEMV_INT8_TILES if int8_x else GEMV_TILES) if gemv else default_tiles(dot_tile(m), n, fmt)
+    int8 = int8_x_mode(int8_x, gemv, fmt)
+    bn, cols, warps = (GEMV_INT8_TILES if int8 else GEMV_TILES) if gemv else default_tiles(dot_tile(m), n, fmt)
     return block_n or bn, columns or cols, num_warps or warps
+
+
+def k_steps(fmt: str, n: int, k: int, block_n: int, columns: int, splits: int | None, target: int) -> tuple:
+    """(units per K step, K steps per program, splits): `splits` (default: `default_splits` at `target`) must
+    divide the K steps."""
+    step = units_per_step(fmt, k, columns)
+    total = k // unit(fmt, k) // step
+    splits = splits or default_splits(n, total, block_n, target=target)
+    if total % splits:
+        raise ValueError(f"{total} K steps do not split {splits} ways")
+    return step, total // splits, splits
 
 
 def default_splits(n: int, steps: int, block_n: int, target: int = 1024) -> int:
@@ -322,26 +344,33 @@ def _from_tiles(tiles: dict[str, jax.Array]):
     return (lambda name, *idx: tiles[f"{name}{idx}"]), (lambda plane: tiles[f"x{plane}"])
 
 
-def _k_loop(fmt: str, n_planes: int, reader, compute, steps: int, acc, prefetch: int):
-    """acc after `compute(get, x_tile, acc)` over the K steps, where `reader(i, valid)` gives step i's (`get`,
-    `x_tile`) reading from the refs (`valid`: see `tile_reader`). With prefetch = 0 each step loads as it
-    computes. With prefetch = d > 0 the loop carries d steps' tiles and loads step i + d's before computing step i,
-    so that d steps' loads are in flight while one computes; loads past the last step are masked off. The GEMV
-    takes d = 1 (faster on an H100; d = 2 was slower); in the tensor-core kernel it turns Triton's own load
-    pipelining off (scripts/results/qmatmul_sass_cpu.txt), so d = 0 there."""
+def prefetch_loop(load, compute, steps: int, acc, prefetch: int):
+    """acc after `compute(load(i, valid), acc)` over K steps i = 0..steps-1, where `load(i, valid)` reads step i
+    (every tile masked to zeros when the scalar `valid` is False; None: no mask). With prefetch = 0 each step loads
+    as it computes. With prefetch = d > 0 the loop carries d steps' loads and issues step i + d's before computing
+    step i, so that d steps' loads are in flight while one computes; loads past the last step are masked off."""
     if not prefetch:
-        return jax.lax.fori_loop(0, steps, lambda i, acc: compute(*reader(i, None), acc), acc)
-
-    def load(i, valid):
-        return _step_tiles(fmt, n_planes, *reader(i, valid))
+        return jax.lax.fori_loop(0, steps, lambda i, acc: compute(load(i, None), acc), acc)
 
     def body(i, carry):
         acc, ahead = carry
         nxt = load(jnp.minimum(i + prefetch, steps - 1), i + prefetch < steps)
-        return compute(*_from_tiles(ahead[0]), acc), ahead[1:] + (nxt,)
+        return compute(ahead[0], acc), ahead[1:] + (nxt,)
 
     ahead = tuple(load(min(j, steps - 1), j < steps) for j in range(prefetch))
     return jax.lax.fori_loop(0, steps, body, (acc, ahead))[0]
+
+
+def _k_loop(fmt: str, n_planes: int, reader, compute, steps: int, acc, prefetch: int):
+    """acc after `compute(get, x_tile, acc)` over the K steps, where `reader(i, valid)` gives step i's (`get`,
+    `x_tile`) reading from the refs (`valid`: see `tile_reader`), by `prefetch_loop`. With prefetch = 0 the loads
+    happen inside `compute`; with prefetch > 0 a step's loads are gathered into a pytree that the loop can carry
+    (`_step_tiles`). The GEMV takes prefetch = 1 (faster on an H100; 2 was slower); in the tensor-core kernel it
+    turns Triton's own load pipelining off (scripts/results/qmatmul_sass_cpu.txt), so 0 there."""
+    if not prefetch:
+        return prefetch_loop(reader, lambda r, acc: compute(*r, acc), steps, acc, 0)
+    return prefetch_loop(lambda i, valid: _step_tiles(fmt, n_planes, *reader(i, valid)),
+                         lambda tiles, acc: compute(*_from_tiles(tiles), acc), steps, acc, prefetch)
 
 
 def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
@@ -427,12 +456,8 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     if gemv and m != 1:
         raise ValueError(f"the GEMV kernel takes one row of x, got {m}")
     m_pad = 1 if gemv else dot_tile(m)
-    int8_x = INT8_X if int8_x is None else int8_x
-    if int8_x not in INT8_X_MODES:
-        raise ValueError(f"int8_x is one of {INT8_X_MODES} (off, x quantized before the kernel, inside it), "
-                         f"got {int8_x}")
-    int8_x = int8_x if gemv and pw.fmt in ("Q4_K", "Q6_K") else 0
-    block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps, bool(int8_x))
+    int8_x = int8_x_mode(INT8_X if int8_x is None else int8_x, gemv, pw.fmt)
+    block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps, int8_x)
     prefetch = PREFETCH[kernel] if prefetch is None else prefetch
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 K steps, got {prefetch}")
@@ -441,11 +466,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         return gemv_int8.gemv_int8(x, pw, in_kernel=int8_x == 2, block_n=block_n, columns=columns, splits=splits,
                                    num_warps=num_warps, num_stages=num_stages, asm=asm, prefetch=prefetch,
                                    interpret=interpret)
-    step = units_per_step(pw.fmt, k, columns)
-    total = k // unit(pw.fmt, k) // step
-    splits = splits or default_splits(n, total, block_n, target=2048 if gemv else 1024)
-    if total % splits:
-        raise ValueError(f"{total} K steps do not split {splits} ways")
+    step, steps, splits = k_steps(pw.fmt, n, k, block_n, columns, splits, target=2048 if gemv else 1024)
     xb = jnp.zeros((m_pad, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
     xp = xb[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)  # [planes, M, K / planes] in each plane's order
     if gemv:
@@ -453,9 +474,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_gemv_kernel, pw.fmt, n, step, total // splits, block_n, names, asm and pw.fmt in PTX_FORMATS,
+        functools.partial(_gemv_kernel, pw.fmt, n, step, steps, block_n, names, asm and pw.fmt in PTX_FORMATS,
                           prefetch) if gemv else
-        functools.partial(_kernel, pw.fmt, n, step, total // splits, block_n, names, asm, prefetch),
+        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

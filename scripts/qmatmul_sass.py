@@ -111,8 +111,8 @@ def loops(sass: str) -> list[list[str]]:
 def analyse(fmt: str, n: int, k: int, m: int, opts: dict) -> dict:
     """The compiled kernel's resources and its K loop's instruction mix (see the module docstring)."""
     gemv = opts.get("gemv", m == 1)
-    int8_x = gemv and bool(opts.get("int8_x", qm.INT8_X)) and fmt in ("Q4_K", "Q6_K")
-    bn, columns, _ = qm.kernel_tiles(m, n, fmt, gemv, opts.get("block_n"), opts.get("columns"), int8_x=int8_x)
+    bn, columns, _ = qm.kernel_tiles(m, n, fmt, gemv, opts.get("block_n"), opts.get("columns"),
+                                     int8_x=opts.get("int8_x", qm.INT8_X))
     ir_text, warps, stages = triton_ir(fmt, n, k, m, opts)
     ttgir, sass, usage, shared = compile_sm90(ir_text, warps, stages)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
