@@ -28,8 +28,9 @@ and takes the 27B's AR step from 23.5 to 16.0 ms (scripts/results/ar_one_token_h
 The GEMV also dequantizes Q4_K/Q6_K tiles by the inline PTX, in float32 (5.75 and 6.34 SASS instructions per
 weight instead of 7.25 and 11.6, scripts/results/qmatmul_sass_cpu.txt), and loads one K step ahead of the one it
 computes (`prefetch`, `_k_loop`): 13.2 against 15.6 ms for the AR step on an H100 (`ASM`, `PREFETCH`;
-scripts/results/ar_gemv_h100.txt). `int8_x` takes the int8-activation GEMV instead (gemv_int8.py): faster
-kernels, but not yet a faster step, so off by default (`INT8_X`).
+scripts/results/ar_gemv_h100.txt). By default (`INT8_X`) one token of a Q4_K/Q6_K weight takes the
+int8-activation GEMV instead (gemv_int8.py), x quantized inside it: 11.9 against 12.7 ms for the AR step
+(scripts/results/ar_int8_in_kernel_h100.txt); `int8_x=0` keeps the float GEMV.
 
 Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
 """
@@ -248,12 +249,13 @@ PREFETCH = {"gemv": 1, "mma": 0}
 ASM = {"gemv": True, "mma": True}
 # Whether one-token products of Q4_K/Q6_K weights quantize x to int8 per weight group and multiply by dp4a
 # (pallas_kernels/gemv_int8.py) instead of dequantizing the weights to float32: 0 no, 1 with x quantized by XLA ops
-# before the kernel, 2 inside the kernel. 0, as the AR step of 1 has not been faster (scripts/results/
-# ar_gemv_h100.txt); 2 is not yet timed
-INT8_X = 0
+# before the kernel, 2 inside the kernel. 2 at 16 rows a program: the fastest AR step of an H100 run that alternated
+# it with the float GEMV (12.7 ms), 1 (12.3-12.8) and 2 at 32 rows (12.5): 11.8-12.0 ms
+# (scripts/results/ar_int8_in_kernel_h100.txt)
+INT8_X = 2
 INT8_X_MODES = (0, 1, 2)
 INT8_X_FORMATS = ("Q4_K", "Q6_K")  # the weights that kernel takes
-GEMV_INT8_TILES = (8, 1024, 4)  # (rows, columns, warps) of that kernel
+GEMV_INT8_TILES = (16, 1024, 4)  # (rows, columns, warps) of that kernel
 
 
 def int8_x_mode(int8_x: int, gemv: bool, fmt: str) -> int:

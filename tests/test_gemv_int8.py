@@ -70,8 +70,13 @@ def test_kernel_matches_reference(fmt, n, k, opts, mode):
 
 
 def test_qmatmul_takes_it_only_for_one_token_of_q4_k_or_q6_k():
-    """Other formats keep the float32 GEMV under int8_x, and two or more rows the tensor-core kernel."""
+    """One token of a Q4_K/Q6_K weight takes it by default (x quantized in the kernel); other formats keep the
+    float32 GEMV under int8_x, and two or more rows the tensor-core kernel."""
     x = jax.random.normal(jax.random.key(3), (2, 512), jnp.float32)
+    assert qm.INT8_X == 2
+    for fmt in g8.FORMATS:
+        pw = packed(fmt, 16, 512)
+        assert rel(qm.qmatmul(x[:1], pw, interpret=True), g8.gemv_int8_reference(x[:1], pw)) < 1e-5
     pw = packed("Q5_K", 16, 512)
     assert rel(qm.qmatmul(x[:1], pw, int8_x=2, interpret=True), qm.qmatmul_reference(x[:1], pw)) < 1e-5
     pw = packed("Q4_K", 16, 512)

@@ -66,13 +66,14 @@ def test_kernel_matches_reference(fmt, n, k, m):
 @pytest.mark.parametrize("fmt,n,k", [("Q4_K", 6, 512), ("Q5_K", 40, 512), ("Q6_K", 17, 1024), ("Q8_0", 33, 128),
                                      ("BF16", 70, 512)])
 def test_one_token_takes_the_float32_gemv(fmt, n, k):
-    """M = 1 runs the GEMV, which keeps the dequantized weights in float32: it agrees with the reference to float32
-    rounding, where the tensor-core kernel (still there when asked for) agrees to bf16's."""
+    """M = 1 runs the GEMV, which keeps the dequantized weights in float32 (with x not quantized to int8, the default
+    for Q5_K, Q8_0 and bf16): it agrees with the reference to float32 rounding, where the tensor-core kernel (still
+    there when asked for) agrees to bf16's."""
     pw = qm.pack(weight(fmt, n, k, seed=n))
     x = jax.random.normal(jax.random.key(n), (1, k), jnp.float32)
     ref = qm.qmatmul_reference(x, pw)
-    assert rel(qm.qmatmul(x, pw, interpret=not ON_GPU), ref) < 1e-5
-    assert rel(qm.qmatmul(x, pw, splits=2, columns=64, interpret=not ON_GPU), ref) < 1e-5
+    assert rel(qm.qmatmul(x, pw, int8_x=0, interpret=not ON_GPU), ref) < 1e-5
+    assert rel(qm.qmatmul(x, pw, splits=2, columns=64, int8_x=0, interpret=not ON_GPU), ref) < 1e-5
     mma = rel(qm.qmatmul(x, pw, gemv=False, interpret=not ON_GPU), ref)
     assert mma < BF16_TILES and (fmt == "BF16" or mma > 1e-5)  # bf16 weights lose nothing to the rounding
     with pytest.raises(ValueError, match="one row"):
@@ -109,7 +110,7 @@ def test_prefetched_k_steps_agree(fmt, m):
     ref = qm.qmatmul_reference(x, pw)
     tol = 1e-5 if m == 1 else BF16_TILES
     for prefetch, splits in ((0, 1), (1, 1), (2, 2), (5, 1)):  # 4 K steps of 256 columns
-        got = qm.qmatmul(x, pw, columns=256, splits=splits, prefetch=prefetch, interpret=not ON_GPU)
+        got = qm.qmatmul(x, pw, columns=256, splits=splits, prefetch=prefetch, int8_x=0, interpret=not ON_GPU)
         assert rel(got, ref) < tol, (prefetch, splits)
     with pytest.raises(ValueError, match="prefetch"):
         qm.qmatmul(x, pw, prefetch=-1, interpret=True)
@@ -188,7 +189,7 @@ def test_kernel_at_27b_shapes(fmt, n, k, m):
 def test_prefetch_at_27b_shapes(fmt, n, k, m, prefetch):
     pw = qm.pack(weight(fmt, n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
-    got = qm.qmatmul(x, pw, prefetch=prefetch)
+    got = qm.qmatmul(x, pw, prefetch=prefetch, int8_x=0)
     assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-4 if m == 1 else BF16_TILES)  # GEMV: float32 weights
 
 
@@ -200,7 +201,7 @@ def test_inline_ptx_tiles_match_their_float32_form(fmt, m):
     tiles in the tensor-core kernel, float32 ones in the GEMV (M = 1)."""
     pw = qm.pack(weight(fmt, 96, 1024, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, 1024), jnp.float32)
-    got, emulated = qm.qmatmul(x, pw, asm=True), qm.qmatmul(x, pw, asm=False)
+    got, emulated = qm.qmatmul(x, pw, asm=True, int8_x=0), qm.qmatmul(x, pw, asm=False, int8_x=0)
     assert rel(got, emulated) < (1e-5 if m == 1 else 1e-4)  # float32 rounding may differ (before the bf16 one)
     assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-5 if m == 1 else BF16_TILES)
 
