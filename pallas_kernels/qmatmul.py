@@ -30,7 +30,8 @@ weight instead of 7.25 and 11.6, scripts/results/qmatmul_sass_cpu.txt), and load
 computes (`prefetch`, `_k_loop`): 13.2 against 15.6 ms for the AR step on an H100 (`ASM`, `PREFETCH`;
 scripts/results/ar_gemv_h100.txt). By default (`INT8_X`) one token of a Q4_K/Q6_K weight takes the
 int8-activation GEMV instead (gemv_int8.py), x quantized inside it: 11.9 against 12.7 ms for the AR step
-(scripts/results/ar_int8_in_kernel_h100.txt); `int8_x=0` keeps the float GEMV.
+(scripts/results/ar_int8_in_kernel_h100.txt); `int8_x=0` keeps the float GEMV. `int8_mma` takes int8 tensor-core
+products for two or more tokens of a Q4_K weight (mma_int8.py): fewer instructions, no faster, so off (`INT8_MMA`).
 
 Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
 """
@@ -256,6 +257,11 @@ INT8_X = 2
 INT8_X_MODES = (0, 1, 2)
 INT8_X_FORMATS = ("Q4_K", "Q6_K")  # the weights that kernel takes
 GEMV_INT8_TILES = (16, 1024, 4)  # (rows, columns, warps) of that kernel
+# Whether products of 2-64 tokens of a Q4_K weight quantize x to int8 per super-block and multiply int8 quants on
+# the tensor cores (pallas_kernels/mma_int8.py) instead of bf16 tiles, and that kernel's (rows, warps)
+INT8_MMA = False
+INT8_MMA_FORMATS = ("Q4_K",)
+MMA_INT8_TILES = (64, 4)
 
 
 def int8_x_mode(int8_x: int, gemv: bool, fmt: str) -> int:
@@ -432,18 +438,20 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
-                                             "asm", "prefetch", "int8_x", "interpret"))
+                                             "asm", "prefetch", "int8_x", "int8_mma", "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
             splits: int | None = None, num_warps: int | None = None, num_stages: int = 3, gemv: bool | None = None,
             asm: bool | None = None, prefetch: int | None = None, int8_x: int | None = None,
-            interpret: bool = False) -> jax.Array:
+            int8_mma: bool | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
     GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` makes Q4_K/Q6_K
     tiles with inline PTX (`plane_tile_asm`; GPU only), `prefetch` loads K steps ahead of the one computed
     (`_k_loop`); their defaults are `ASM` (on a GPU) and `PREFETCH`, by kernel. `int8_x` (default `INT8_X`) makes
     the GEMV of a Q4_K/Q6_K weight quantize x to int8 per weight group and multiply by dp4a (gemv_int8.py): 1 with x
-    quantized before the kernel, 2 inside it; other formats keep the float32 GEMV."""
+    quantized before the kernel, 2 inside it; other formats keep the float32 GEMV. `int8_mma` (default `INT8_MMA`)
+    makes products of two or more rows of x with a Q4_K weight multiply int8 quants on the tensor cores
+    (mma_int8.py; its K step is one super-block, so `columns` does not apply)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -457,6 +465,13 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         raise ValueError("inline PTX (asm=True) runs only on a GPU, not in interpret mode")
     if gemv and m != 1:
         raise ValueError(f"the GEMV kernel takes one row of x, got {m}")
+    if (INT8_MMA if int8_mma is None else int8_mma) and not gemv and pw.fmt in INT8_MMA_FORMATS:
+        from pallas_kernels import mma_int8  # imported here: mma_int8 builds on this module
+        block_n, num_warps = block_n or MMA_INT8_TILES[0], num_warps or MMA_INT8_TILES[1]
+        splits = splits or default_splits(n, k // QK_K, block_n)
+        return mma_int8.mma_int8(x, pw, block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages,
+                                 asm=asm, prefetch=PREFETCH["mma"] if prefetch is None else prefetch,
+                                 interpret=interpret)
     m_pad = 1 if gemv else dot_tile(m)
     int8_x = int8_x_mode(INT8_X if int8_x is None else int8_x, gemv, pw.fmt)
     block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps, int8_x)

@@ -1,16 +1,18 @@
-"""Three qmatmul products for Nsight Compute to profile: occupancy, registers, DRAM throughput and stalls.
+"""qmatmul products for Nsight Compute to profile: occupancy, registers, DRAM throughput and stalls.
 
-    ncu --clock-control none --kernel-name regex:qmatmul --launch-count 6 --section SpeedOfLight \
+    ncu --clock-control none --kernel-name regex:'qmatmul|mma_int8' --launch-count 6 --section SpeedOfLight \
         --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-        python scripts/qmatmul_ncu.py > ncu.txt
+        python scripts/qmatmul_ncu.py [--products 23:bf16 23:int8] > ncu.txt
 
-Each product runs twice (the first compiles): ffn_gate (Q4_K 17408 x 5120) at M = 1 and M = 32, ffn_down (Q6_K
-5120 x 17408) at M = 1. ncu replays a kernel many times over the same weights, so part of them comes from the L2
+Each product runs twice (the first compiles), by default ffn_gate (Q4_K 17408 x 5120) at M = 1 and M = 32 and
+ffn_down (Q6_K 5120 x 17408) at M = 1; `--products M:KERNEL ...` profiles ffn_gate at M tokens through the bf16
+tensor-core kernel or the int8 one (mma_int8.py) instead. ncu replays a kernel many times over the same weights, so part of them comes from the L2
 (50 MB on an H100): its durations are optimistic; the occupancy, register and stall figures are what it is for.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -21,15 +23,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
 
-PRODUCTS = [("Q4_K", 17408, 5120, 1), ("Q4_K", 17408, 5120, 32), ("Q6_K", 5120, 17408, 1)]
+PRODUCTS = [("Q4_K", 17408, 5120, 1, {}), ("Q4_K", 17408, 5120, 32, {}), ("Q6_K", 5120, 17408, 1, {})]
 
 
 def main() -> None:
-    for fmt, n, k, m in PRODUCTS:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--products", nargs="+", metavar="M:KERNEL", help="ffn_gate at M tokens, KERNEL bf16 or int8")
+    args = ap.parse_args()
+    products = [("Q4_K", 17408, 5120, int(m), {"int8_mma": kernel == "int8"})
+                for m, kernel in (spec.split(":") for spec in args.products)] if args.products else PRODUCTS
+    for fmt, n, k, m, opts in products:
         pw = qm.pack(random_qtensor(jax.random.key(0), fmt, (n, k)))
         x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
         for _ in range(2):
-            jax.block_until_ready(qm.qmatmul(x, pw))
+            jax.block_until_ready(qm.qmatmul(x, pw, **opts))
 
 
 if __name__ == "__main__":

@@ -44,11 +44,13 @@ CASES = [f"{fmt}:{n}:{k}:{m}" for fmt, n, k in (("Q4_K", 17408, 5120), ("Q5_K", 
 # M = 1: the GEMV as first shipped (jnp dequantization, no loads ahead), with inline PTX, with loads 1 (the default
 # since 2026-11-25) and 2 steps ahead; the int8-activation GEMV with x quantized before the kernel (int8_x=1; 512 and
 # 1024 columns a step, the latter its default) and inside it (int8_x=2; 8, 16 and 32 rows a program). M = 23: the
-# tensor-core kernel's defaults, loads ahead, and the inline PTX off
+# tensor-core kernel's defaults, loads ahead, and the inline PTX off; the int8 tensor-core kernel (int8_mma, Q4_K only)
+# at 64 and 128 rows, and with loads one super-block ahead
 VARIANTS = ["m=1,asm=0,prefetch=0", "m=1,asm=1,prefetch=0", "m=1,asm=1,prefetch=1", "m=1,asm=1,prefetch=2",
             "m=1,int8_x=1,columns=512,prefetch=0", "m=1,int8_x=1,prefetch=0", "m=1,int8_x=1,prefetch=1",
             "m=1,int8_x=2,prefetch=0", "m=1,int8_x=2,prefetch=0,block_n=16", "m=1,int8_x=2,prefetch=0,block_n=32",
-            "m=23,prefetch=0", "m=23,prefetch=1", "m=23,prefetch=2", "m=23,asm=0"]
+            "m=23,prefetch=0", "m=23,prefetch=1", "m=23,prefetch=2", "m=23,asm=0", "m=23,int8_mma=1",
+            "m=23,int8_mma=1,block_n=128", "m=23,int8_mma=1,prefetch=1"]
 REGISTERS_PER_SM, SHARED_PER_SM = 65536, 228 * 1024
 
 
@@ -120,7 +122,10 @@ def analyse(fmt: str, n: int, k: int, m: int, opts: dict) -> dict:
     threads = 32 * warps
     body = max(loops(sass), key=len)
     weights = bn * qm.units_per_step(fmt, k, columns) * qm.unit(fmt, k) / threads
-    return dict(fmt=fmt, n=n, k=k, m=m, opts=opts, kernel="gemv" if gemv else "mma", warps=warps, stages=stages,
+    kernel = "gemv" if gemv else "mma"
+    if opts.get("int8_mma") and not gemv and fmt in qm.INT8_MMA_FORMATS:  # mma_int8.py: one super-block a step
+        kernel, weights = "mma8", (opts.get("block_n") or qm.MMA_INT8_TILES[0]) * qm.QK_K / threads
+    return dict(fmt=fmt, n=n, k=k, m=m, opts=opts, kernel=kernel, warps=warps, stages=stages,
                 registers=regs, shared=shared, spills=spills,
                 programs_by_registers=REGISTERS_PER_SM // (-(-regs // 8) * 8 * threads),
                 programs_by_shared=SHARED_PER_SM // shared if shared else None,
