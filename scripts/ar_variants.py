@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import NO_STOPS, engine_for, make_models  # noqa: E402
-from benchlib import copy_rate, environment, parse_options  # noqa: E402
+from benchlib import copy_rate, environment, parse_options, qmatmul_defaults, set_qmatmul_defaults  # noqa: E402
 
 from pallas_kernels import qmatmul as qm  # noqa: E402
 
@@ -53,16 +53,6 @@ def options(spec: str) -> dict[str, int]:
     if unknown:
         raise SystemExit(f"unknown option(s) {', '.join(sorted(unknown))}; the keys are {', '.join(SETTERS)}")
     return opts
-
-
-def shipped_defaults() -> tuple:
-    return dict(qm.PREFETCH), dict(qm.ASM), qm.INT8_X, qm.GEMV_INT8_TILES
-
-
-def restore(defaults: tuple) -> None:
-    qm.PREFETCH.update(defaults[0])
-    qm.ASM.update(defaults[1])
-    qm.INT8_X, qm.GEMV_INT8_TILES = defaults[2:]
 
 
 class AheadOfTime:
@@ -95,7 +85,7 @@ def main() -> None:
     ap.add_argument("--max_ctx", type=int, default=1024)
     args = ap.parse_args()
     variants = {spec: options(spec) for spec in args.variants}
-    shipped = shipped_defaults()
+    shipped = qmatmul_defaults()
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)  # noqa: E731
     res: dict = {**environment(), "args": vars(args) | {"out": str(args.out)}, "rows": []}
@@ -110,7 +100,7 @@ def main() -> None:
     engines, first = {}, {}
     try:
         for spec, opts in variants.items():
-            restore(shipped)
+            set_qmatmul_defaults(shipped)
             for key, value in opts.items():
                 SETTERS[key](value)
             jax.clear_caches()
@@ -125,7 +115,7 @@ def main() -> None:
                                int8_tiles=qm.GEMV_INT8_TILES)
             log(f"{spec:32s} compiled and run once in {first[spec]['compile_s']:.0f} s")
     finally:
-        restore(shipped)
+        set_qmatmul_defaults(shipped)
     for rnd in range(args.rounds):
         for spec, engine in engines.items():
             times = []

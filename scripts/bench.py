@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import copy_rate, environment, fit_verify_cost, parse_options  # noqa: E402
+from benchlib import (copy_rate, environment, fit_verify_cost, parse_options, qmatmul_defaults,  # noqa: E402
+                      set_qmatmul_defaults)
 
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
@@ -322,24 +323,30 @@ def main() -> None:
                          "the inline PTX, to compare)")
     ap.add_argument("--prefetch", default="", metavar="gemv=D,mma=D",
                     help="K steps qmatmul's kernels load ahead (default: qmatmul.PREFETCH), to compare")
+    ap.add_argument("--int8_x", type=int, choices=qm.INT8_X_MODES, default=None,
+                    help="one-token Q4_K/Q6_K products with x quantized to int8: 0 off, 1 before the kernel, 2 in it "
+                         "(default: qmatmul.INT8_X)")
+    ap.add_argument("--int8_mma", type=int, choices=(0, 1), default=None,
+                    help="products of 2+ tokens of Q4_K weights as int8 tensor-core products (default: "
+                         "qmatmul.INT8_MMA)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):
         ap.error(f"--prefetch names {', '.join(set(prefetch) - set(qm.PREFETCH))}; the kernels are "
                  f"{', '.join(qm.PREFETCH)}")
-    shipped = qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM)
+    shipped = qmatmul_defaults()
     # for this run only: the kernel variants asked for
     qm.PREFETCH.update(prefetch)
     qm.ASM.update({kernel: choice == "ptx" for kernel, choice in (("mma", args.dequant), ("gemv", args.gemv_dequant))
                    if choice})
+    set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma))
+                          if value is not None})
     if args.one_token == "tensor_cores":
-        qm.qmatmul = functools.partial(shipped[0], gemv=False)
+        qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)
     try:
         run(args)
     finally:
-        qm.qmatmul = shipped[0]
-        qm.PREFETCH.update(shipped[1])
-        qm.ASM.update(shipped[2])
+        set_qmatmul_defaults(shipped)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -17,6 +17,28 @@ import jax
 import jax.numpy as jnp
 
 
+# qmatmul's module-level kernel choices and tiles, which a benchmark may change for one run
+QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "qmatmul")
+
+
+def qmatmul_defaults() -> dict:
+    """A copy of qmatmul's kernel defaults (`QMATMUL_DEFAULTS`), for `set_qmatmul_defaults` to put back."""
+    from pallas_kernels import qmatmul as qm
+
+    return {name: dict(v) if isinstance(v := getattr(qm, name), dict) else v for name in QMATMUL_DEFAULTS}
+
+
+def set_qmatmul_defaults(defaults: dict) -> None:
+    """Set qmatmul's kernel defaults named in `defaults` (dicts updated in place, as the kernels read them)."""
+    from pallas_kernels import qmatmul as qm
+
+    for name, value in defaults.items():
+        if isinstance(getattr(qm, name), dict):
+            getattr(qm, name).update(value)
+        else:
+            setattr(qm, name, value)
+
+
 def median_seconds(fn, *args, iters: int = 10) -> float:
     """Median wall time of fn(*args) over `iters` runs after one warm-up run."""
     jax.block_until_ready(fn(*args))

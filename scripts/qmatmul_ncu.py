@@ -6,8 +6,9 @@
 
 Each product runs twice (the first compiles), by default ffn_gate (Q4_K 17408 x 5120) at M = 1 and M = 32 and
 ffn_down (Q6_K 5120 x 17408) at M = 1; `--products M:KERNEL ...` profiles ffn_gate at M tokens through the bf16
-tensor-core kernel or the int8 one (mma_int8.py) instead. ncu replays a kernel many times over the same weights, so part of them comes from the L2
-(50 MB on an H100): its durations are optimistic; the occupancy, register and stall figures are what it is for.
+tensor-core kernel or the int8 one (mma_int8.py) instead. ncu replays a kernel many times over the same weights, so
+part of them comes from the L2 (50 MB on an H100): its durations are optimistic; the occupancy, register and stall
+figures are what it is for.
 """
 
 from __future__ import annotations

@@ -58,21 +58,23 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
 
 def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
     """--one_token tensor_cores sends one-token products to the tensor-core kernel, --dequant jnp makes its tiles
-    without inline PTX, --gemv_dequant jnp the GEMV's too, --prefetch sets the kernels' loads ahead, during the run
-    and only then; with none of them the run takes qmatmul's defaults."""
+    without inline PTX, --gemv_dequant jnp the GEMV's too, --prefetch sets the kernels' loads ahead, --int8_x and
+    --int8_mma the int8 kernels, during the run and only then; with none of them the run takes qmatmul's defaults."""
     import bench
     from pallas_kernels import qmatmul as qm
 
-    shipped, seen = (qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM)), []
-    monkeypatch.setattr(bench, "run", lambda args: seen.append((qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM))))
+    state = lambda: (qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM), qm.INT8_X, qm.INT8_MMA)  # noqa: E731
+    shipped, seen = state(), []
+    monkeypatch.setattr(bench, "run", lambda args: seen.append(state()))
     out = ["--out", str(tmp_path / "x.json")]
     run_script(bench, out + ["--one_token", "tensor_cores"])
-    run_script(bench, out + ["--dequant", "jnp", "--gemv_dequant", "jnp", "--prefetch", "gemv=2,mma=1"])
+    run_script(bench, out + ["--dequant", "jnp", "--gemv_dequant", "jnp", "--prefetch", "gemv=2,mma=1",
+                             "--int8_x", "0", "--int8_mma", "1"])
     run_script(bench, out)
     assert seen[0][0].func is shipped[0] and seen[0][0].keywords == {"gemv": False} and seen[0][1:] == shipped[1:]
-    assert seen[1] == (shipped[0], {"gemv": 2, "mma": 1}, {"gemv": False, "mma": False})
-    assert shipped[2] == {"gemv": True, "mma": True}  # so the switches above turned something off
-    assert seen[2] == shipped and (qm.qmatmul, qm.PREFETCH, qm.ASM) == shipped
+    assert seen[1] == (shipped[0], {"gemv": 2, "mma": 1}, {"gemv": False, "mma": False}, 0, 1)
+    assert shipped[2:] == ({"gemv": True, "mma": True}, 2, False)  # so the switches above changed something
+    assert seen[2] == shipped and state() == shipped
     with pytest.raises(SystemExit):
         run_script(bench, out + ["--prefetch", "tensor=1"])
 
@@ -83,12 +85,12 @@ def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):
     import ar_variants
     from pallas_kernels import qmatmul as qm
 
-    shipped = ar_variants.shipped_defaults()
+    shipped = ar_variants.qmatmul_defaults()
     out = tmp_path / "ar.json"
     run_script(ar_variants, ["--out", str(out), "--model", "tiny", "--impl", "reference", "--variants", "shipped",
                              "int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", "--rounds", "2", "--n_gen", "4",
                              "--prompt_len", "8", "--max_ctx", "64", "--repeats", "2"])
-    assert ar_variants.shipped_defaults() == shipped
+    assert ar_variants.qmatmul_defaults() == shipped
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["round"]) for r in rows] == [
         ("shipped", 1), ("int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", 1), ("shipped", 2),
