@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.qmatmul import INT8_X_FORMATS as FORMATS
-from pallas_kernels.qmatmul import PackedWeight, dequantize_packed, k_steps, prefetch_loop, tile_reader
+from pallas_kernels.qmatmul import (PackedWeight, dequantize_packed, k_steps, prefetch_loop, sum_splits,
+                                    tile_reader)
 NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of a word
 
 
@@ -216,4 +217,4 @@ def gemv_int8(x: jax.Array, pw: PackedWeight, *, in_kernel: bool, block_n: int, 
         interpret=interpret,
         name=f"gemv_int8_{pw.fmt.lower()}",
     )(*x_args, *(words[name] for name in names))
-    return (out[0] if splits == 1 else jnp.sum(out, axis=0))[:, :n]
+    return sum_splits(out, 1, n)

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plt
 
 from dflash_jax.quant import QK_K
 from pallas_kernels.qmatmul import INT8_MMA_FORMATS as FORMATS
-from pallas_kernels.qmatmul import PackedWeight, dequantize_packed, prefetch_loop
+from pallas_kernels.qmatmul import PackedWeight, dequantize_packed, prefetch_loop, sum_splits
 from pallas_kernels.tiles import dot_tile
 
 SUB = 32  # columns per Q4_K sub-block: one int8 product's K
@@ -146,4 +146,4 @@ def mma_int8(x: jax.Array, pw: PackedWeight, *, block_n: int = 64, splits: int =
         name="mma_int8_q4_k",
     )(pad(xq["q"]), pad(xq["scale"]), pad(xmin.reshape(m, nb * 8)), w["qs"], w["sc"], w["mn"].reshape(n, nb * 8),
       w["d"], w["dmin"])
-    return (out[0] if splits == 1 else jnp.sum(out, axis=0))[:m, :n]
+    return sum_splits(out, m, n)

@@ -314,6 +314,11 @@ def units_per_step(fmt: str, k: int, columns: int = 512) -> int:
     return s
 
 
+def sum_splits(out: jax.Array, m: int, n: int) -> jax.Array:
+    """A kernel's output [splits, rows of x, row tiles x rows] as [m, n]: the K splits' partial products added."""
+    return (out[0] if out.shape[0] == 1 else jnp.sum(out, axis=0))[:m, :n]
+
+
 def tile_reader(w: dict, r0, row_ok: jax.Array, block_n: int, start, step: int, valid=None):
     """`get(name, *index)` for `plane_tile`: a field's tile of `block_n` rows from r0 and `step` units from `start`,
     the trailing indices applied; rows past N read zeros, and so does every row when `valid` (a scalar) is False."""
@@ -500,4 +505,4 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         interpret=interpret,
         name=f"{'gemv' if gemv else 'qmatmul'}_{pw.fmt.lower()}",
     )(xp, *(pw.data[name] for name in names))
-    return (out[0] if splits == 1 else jnp.sum(out, axis=0))[:m, :n]
+    return sum_splits(out, m, n)
