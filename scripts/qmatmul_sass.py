@@ -130,6 +130,7 @@ def analyse(fmt: str, n: int, k: int, m: int, opts: dict) -> dict:
                 programs_by_registers=REGISTERS_PER_SM // (-(-regs // 8) * 8 * threads),
                 programs_by_shared=SHARED_PER_SM // shared if shared else None,
                 pipelined="async_copy_global_to_local" in ttgir, loop_instructions=len(body),
+                allocs=[m.group(1).split(",")[0] for m in re.finditer(r"local_alloc.*?!ttg\.memdesc<([^>]*)>", ttgir)],
                 weights_per_thread=weights, per_weight=len(body) / weights, ldg=body.count("LDG"),
                 opcodes=collections.Counter(body).most_common(8))
 
@@ -141,6 +142,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=[parse_options(v) for v in VARIANTS], type=parse_options,
                     metavar="KEY=INT,...", help="qmatmul options per row (as bench_kernels.py --variants: m=M keeps "
                                                 "one to M tokens)")
+    ap.add_argument("--allocs", action="store_true",
+                    help="also list each kernel's shared memory buffers (pipeline stages x tile) from its TTGIR")
     args = ap.parse_args()
     import triton
 
@@ -163,7 +166,9 @@ def main() -> None:
                     f"{r['loop_instructions']:5d} {r['weights_per_thread']:5.0f} {r['per_weight']:7.2f} {r['ldg']:3d}  "
                     + " ".join(f"{op} {c}" for op, c in r["opcodes"]))
             lines.append(line)
-            print(line, flush=True)
+            if args.allocs:
+                lines.append(f"{'':22s} shared memory buffers: {', '.join(r['allocs']) or 'none'}")
+            print("\n".join(lines[-1 - args.allocs:]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
 

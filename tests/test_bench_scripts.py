@@ -207,7 +207,7 @@ def test_qmatmul_sass_reads_the_kernel_ir_and_its_loops():
     import qmatmul_sass
     from pallas_kernels import qmatmul as qm
 
-    ir_text, warps, stages = qmatmul_sass.triton_ir("Q4_K", 64, 1024, 1, {"prefetch": 1})
+    ir_text, warps, stages = qmatmul_sass.triton_ir("Q4_K", 64, 1024, 1, {"prefetch": 1, "int8_x": 0})
     assert '"tt.load"' in ir_text and '"scf.for"' in ir_text and (warps, stages) == (qm.GEMV_TILES[2], 3)
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
