@@ -262,6 +262,10 @@ GEMV_INT8_TILES = (16, 1024, 4)  # (rows, columns, warps) of that kernel
 INT8_MMA = False
 INT8_MMA_FORMATS = ("Q4_K",)
 MMA_INT8_TILES = (64, 4)
+# Whether the tensor-core kernel multiplies weight rows by tokens (Triton then takes Hopper's warpgroup MMA, wgmma,
+# for row tiles of 64+) instead of tokens by weight rows (mma.sync): fewer instructions for Q4_K and Q5_K in a CPU's
+# SASS read, more for Q6_K at its 8-warp tiles (scripts/results/qmatmul_sass_cpu.txt); not yet timed on a GPU, so off
+WGMMA = False
 
 
 def int8_x_mode(int8_x: int, gemv: bool, fmt: str) -> int:
@@ -387,7 +391,7 @@ def _k_loop(fmt: str, n_planes: int, reader, compute, steps: int, acc, prefetch:
 
 
 def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
-            prefetch: int, *refs):
+            prefetch: int, wgmma: bool, *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
@@ -407,12 +411,13 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
                 tile = plane_tile_bf16(fmt, plane, get, asm).reshape(block_n, -1)
             else:
                 tile = plane_tile(fmt, plane, get).reshape(block_n, -1).astype(jnp.bfloat16)
-            acc = acc + jax.lax.dot_general(x_tile(plane), tile, (((1,), (1,)), ((), ())),
-                                            preferred_element_type=jnp.float32)
+            operands = (tile, x_tile(plane)) if wgmma else (x_tile(plane), tile)
+            acc = acc + jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return acc
 
-    acc = _k_loop(fmt, n_planes, reader, compute, steps, jnp.zeros((m_pad, block_n), jnp.float32), prefetch)
-    o_ref[split, :, pl.ds(r0, block_n)] = acc
+    shape = (block_n, m_pad) if wgmma else (m_pad, block_n)
+    acc = _k_loop(fmt, n_planes, reader, compute, steps, jnp.zeros(shape, jnp.float32), prefetch)
+    o_ref[split, :, pl.ds(r0, block_n)] = acc.T if wgmma else acc
 
 
 def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
@@ -443,11 +448,11 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
-                                             "asm", "prefetch", "int8_x", "int8_mma", "interpret"))
+                                             "asm", "prefetch", "int8_x", "int8_mma", "wgmma", "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
             splits: int | None = None, num_warps: int | None = None, num_stages: int = 3, gemv: bool | None = None,
             asm: bool | None = None, prefetch: int | None = None, int8_x: int | None = None,
-            int8_mma: bool | None = None, interpret: bool = False) -> jax.Array:
+            int8_mma: bool | None = None, wgmma: bool | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
     GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` makes Q4_K/Q6_K
@@ -456,7 +461,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     the GEMV of a Q4_K/Q6_K weight quantize x to int8 per weight group and multiply by dp4a (gemv_int8.py): 1 with x
     quantized before the kernel, 2 inside it; other formats keep the float32 GEMV. `int8_mma` (default `INT8_MMA`)
     makes products of two or more rows of x with a Q4_K weight multiply int8 quants on the tensor cores
-    (mma_int8.py; its K step is one super-block, so `columns` does not apply)."""
+    (mma_int8.py; its K step is one super-block, so `columns` does not apply). `wgmma` (default `WGMMA`) puts the
+    tensor-core kernel's weight rows first in its products (tokens second), where Triton takes Hopper's warpgroup
+    MMA for row tiles of 64 or more (the SASS read on a CPU: HGMMA instead of HMMA); not yet timed."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -498,7 +505,8 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     out = pl.pallas_call(
         functools.partial(_gemv_kernel, pw.fmt, n, step, steps, block_n, names, asm and pw.fmt in PTX_FORMATS,
                           prefetch) if gemv else
-        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch),
+        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch,
+                          WGMMA if wgmma is None else wgmma),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -329,6 +329,9 @@ def main() -> None:
     ap.add_argument("--int8_mma", type=int, choices=(0, 1), default=None,
                     help="products of 2+ tokens of Q4_K weights as int8 tensor-core products (default: "
                          "qmatmul.INT8_MMA)")
+    ap.add_argument("--wgmma", type=int, choices=(0, 1), default=None,
+                    help="the tensor-core kernel with weight rows first in its products (Hopper's wgmma; default: "
+                         "qmatmul.WGMMA)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):
@@ -339,8 +342,8 @@ def main() -> None:
     qm.PREFETCH.update(prefetch)
     qm.ASM.update({kernel: choice == "ptx" for kernel, choice in (("mma", args.dequant), ("gemv", args.gemv_dequant))
                    if choice})
-    set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma))
-                          if value is not None})
+    set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
+                                                          ("WGMMA", args.wgmma)) if value is not None})
     if args.one_token == "tensor_cores":
         qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)
     try:

@@ -41,16 +41,18 @@ from pallas_kernels import qmatmul as qm  # noqa: E402
 # (fmt, N, K, M): the 27B's largest Q4_K, Q5_K and Q6_K matrices at one token and at a 23-node tree's 32-row tile
 CASES = [f"{fmt}:{n}:{k}:{m}" for fmt, n, k in (("Q4_K", 17408, 5120), ("Q5_K", 10240, 5120), ("Q6_K", 5120, 17408))
          for m in (1, 23)]
-# M = 1: the GEMV as first shipped (jnp dequantization, no loads ahead), with inline PTX, with loads 1 (the default
-# since 2026-11-25) and 2 steps ahead; the int8-activation GEMV with x quantized before the kernel (int8_x=1; 512 and
-# 1024 columns a step, the latter its default) and inside it (int8_x=2; 8, 16 and 32 rows a program). M = 23: the
+# M = 1: the float GEMV (int8_x=0) as first shipped (jnp dequantization, no loads ahead), with inline PTX, with loads
+# 1 and 2 steps ahead; the int8-activation GEMV with x quantized before the kernel (int8_x=1; 512 and 1024 columns a
+# step, 8 rows) and inside it (int8_x=2; 8, 16 (the default since 2026-11-25) and 32 rows a program). M = 23: the
 # tensor-core kernel's defaults, loads ahead, and the inline PTX off; the int8 tensor-core kernel (int8_mma, Q4_K only)
-# at 64 and 128 rows, and with loads one super-block ahead
-VARIANTS = ["m=1,asm=0,prefetch=0", "m=1,asm=1,prefetch=0", "m=1,asm=1,prefetch=1", "m=1,asm=1,prefetch=2",
-            "m=1,int8_x=1,columns=512,prefetch=0", "m=1,int8_x=1,prefetch=0", "m=1,int8_x=1,prefetch=1",
-            "m=1,int8_x=2,prefetch=0", "m=1,int8_x=2,prefetch=0,block_n=16", "m=1,int8_x=2,prefetch=0,block_n=32",
+# at 64 and 128 rows, and with loads one super-block ahead; the weight rows first in the products (wgmma)
+VARIANTS = ["m=1,int8_x=0,asm=0,prefetch=0", "m=1,int8_x=0,asm=1,prefetch=0", "m=1,int8_x=0,asm=1,prefetch=1",
+            "m=1,int8_x=0,asm=1,prefetch=2", "m=1,int8_x=1,block_n=8,columns=512,prefetch=0",
+            "m=1,int8_x=1,block_n=8,prefetch=0", "m=1,int8_x=1,block_n=8,prefetch=1", "m=1,int8_x=2,block_n=8,prefetch=0",
+            "m=1,int8_x=2,block_n=16,prefetch=0", "m=1,int8_x=2,block_n=32,prefetch=0",
             "m=23,prefetch=0", "m=23,prefetch=1", "m=23,prefetch=2", "m=23,asm=0", "m=23,int8_mma=1",
-            "m=23,int8_mma=1,block_n=128", "m=23,int8_mma=1,prefetch=1"]
+            "m=23,int8_mma=1,block_n=128", "m=23,int8_mma=1,prefetch=1", "m=23,wgmma=1",
+            "m=23,wgmma=1,block_n=128,columns=256"]
 REGISTERS_PER_SM, SHARED_PER_SM = 65536, 228 * 1024
 
 
@@ -131,6 +133,7 @@ def analyse(fmt: str, n: int, k: int, m: int, opts: dict) -> dict:
                 programs_by_shared=SHARED_PER_SM // shared if shared else None,
                 pipelined="async_copy_global_to_local" in ttgir, loop_instructions=len(body),
                 allocs=[m.group(1).split(",")[0] for m in re.finditer(r"local_alloc.*?!ttg\.memdesc<([^>]*)>", ttgir)],
+                mma=" ".join(f"{op} {c}" for op, c in collections.Counter(body).items() if op.endswith("MMA")) or "-",
                 weights_per_thread=weights, per_weight=len(body) / weights, ldg=body.count("LDG"),
                 opcodes=collections.Counter(body).most_common(8))
 
@@ -149,8 +152,8 @@ def main() -> None:
 
     head = (f"# python scripts/qmatmul_sass.py {' '.join(sys.argv[1:])}\n# jax {jax.__version__}, pip triton "
             f"{triton.__version__} for sm_90 (not the Triton inside jaxlib that compiles these kernels on a GPU)\n"
-            f"{'case':22s} {'kernel':5s} {'options':28s} {'regs':>4s} {'smem':>6s} {'spill':>5s} {'prog/SM':>7s} "
-            f"{'async':>5s} {'loop':>5s} {'w/thr':>5s} {'instr/w':>7s} {'LDG':>3s}  opcodes")
+            f"{'case':22s} {'kernel':5s} {'options':40s} {'regs':>4s} {'smem':>6s} {'spill':>5s} {'prog/SM':>7s} "
+            f"{'async':>5s} {'loop':>5s} {'w/thr':>5s} {'instr/w':>7s} {'LDG':>3s} {'MMA':>9s}  opcodes")
     lines = [head]
     print(head, flush=True)
     for case in args.cases:
@@ -161,9 +164,10 @@ def main() -> None:
             opts = {key: value for key, value in opts.items() if key != "m"}
             r = analyse(fmt, int(n), int(k), int(m), opts)
             fit = min(r["programs_by_registers"], r["programs_by_shared"] or 99)
-            line = (f"{case:22s} {r['kernel']:5s} {','.join(f'{a}={b}' for a, b in opts.items()):28s} "
+            line = (f"{case:22s} {r['kernel']:5s} {','.join(f'{a}={b}' for a, b in opts.items()):40s} "
                     f"{r['registers']:4d} {r['shared']:6d} {r['spills']:5d} {fit:7d} {str(r['pipelined']):>5s} "
-                    f"{r['loop_instructions']:5d} {r['weights_per_thread']:5.0f} {r['per_weight']:7.2f} {r['ldg']:3d}  "
+                    f"{r['loop_instructions']:5d} {r['weights_per_thread']:5.0f} {r['per_weight']:7.2f} {r['ldg']:3d} "
+                    f"{r['mma']:>9s}  "
                     + " ".join(f"{op} {c}" for op, c in r["opcodes"]))
             lines.append(line)
             if args.allocs:

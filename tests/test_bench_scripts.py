@@ -59,21 +59,22 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
 def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
     """--one_token tensor_cores sends one-token products to the tensor-core kernel, --dequant jnp makes its tiles
     without inline PTX, --gemv_dequant jnp the GEMV's too, --prefetch sets the kernels' loads ahead, --int8_x and
-    --int8_mma the int8 kernels, during the run and only then; with none of them the run takes qmatmul's defaults."""
+    --int8_mma the int8 kernels, --wgmma the operand order, during the run and only then; with none of them the run
+    takes qmatmul's defaults."""
     import bench
     from pallas_kernels import qmatmul as qm
 
-    state = lambda: (qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM), qm.INT8_X, qm.INT8_MMA)  # noqa: E731
+    state = lambda: (qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM), qm.INT8_X, qm.INT8_MMA, qm.WGMMA)  # noqa: E731
     shipped, seen = state(), []
     monkeypatch.setattr(bench, "run", lambda args: seen.append(state()))
     out = ["--out", str(tmp_path / "x.json")]
     run_script(bench, out + ["--one_token", "tensor_cores"])
     run_script(bench, out + ["--dequant", "jnp", "--gemv_dequant", "jnp", "--prefetch", "gemv=2,mma=1",
-                             "--int8_x", "0", "--int8_mma", "1"])
+                             "--int8_x", "0", "--int8_mma", "1", "--wgmma", "1"])
     run_script(bench, out)
     assert seen[0][0].func is shipped[0] and seen[0][0].keywords == {"gemv": False} and seen[0][1:] == shipped[1:]
-    assert seen[1] == (shipped[0], {"gemv": 2, "mma": 1}, {"gemv": False, "mma": False}, 0, 1)
-    assert shipped[2:] == ({"gemv": True, "mma": True}, 2, False)  # so the switches above changed something
+    assert seen[1] == (shipped[0], {"gemv": 2, "mma": 1}, {"gemv": False, "mma": False}, 0, 1, 1)
+    assert shipped[2:] == ({"gemv": True, "mma": True}, 2, False, False)  # so the switches above changed something
     assert seen[2] == shipped and state() == shipped
     with pytest.raises(SystemExit):
         run_script(bench, out + ["--prefetch", "tensor=1"])

@@ -90,6 +90,18 @@ def test_tiles_of_every_width_agree():
         assert rel(got, ref) < BF16_TILES, (block_n, columns)
 
 
+@pytest.mark.parametrize("fmt,n,k,m", [("Q4_K", 70, 512, 23), ("Q6_K", 40, 1024, 5), ("Q5_K", 64, 512, 33),
+                                       ("BF16", 20, 48, 7)])
+def test_weight_rows_first_is_the_same_product(fmt, n, k, m):
+    """wgmma puts the weight tile first in each product (tokens second) and transposes the result once: the same
+    product, ragged N included, to float32 rounding."""
+    pw = qm.pack(weight(fmt, n, k, seed=n))
+    x = jax.random.normal(jax.random.key(k), (m, k), jnp.float32)
+    first = qm.qmatmul(x, pw, wgmma=True, interpret=True)
+    assert first.shape == (m, n) and rel(first, qm.qmatmul(x, pw, wgmma=False, interpret=True)) < 1e-6
+    assert rel(first, qm.qmatmul_reference(x, pw)) < BF16_TILES
+
+
 def test_k_splits_agree():
     """Partial products of K split over 1, 2 and 4 programs add up to the same product; a split that does not
     divide the K steps is refused."""
@@ -122,8 +134,8 @@ def test_gpu_variants_lower_to_triton(fmt):
     """What runs only on a GPU (the inline PTX tiles, prefetching in the compiled kernel) lowers to Triton IR here
     too: lowering for CUDA needs no GPU, so an op the Triton lowering lacks fails on a CPU, not first on the device."""
     pw = qm.pack(weight(fmt, 64, 1024))
-    for m, prefetch in ((1, 0), (1, 2), (23, 0), (23, 1)):
-        run = jax.jit(lambda x, w: qm.qmatmul(x, w, prefetch=prefetch, asm=fmt in qm.PTX_FORMATS))
+    for m, prefetch, wgmma in ((1, 0, False), (1, 2, False), (23, 0, False), (23, 1, False), (23, 0, True)):
+        run = jax.jit(lambda x, w: qm.qmatmul(x, w, prefetch=prefetch, asm=fmt in qm.PTX_FORMATS, wgmma=wgmma))
         hlo = run.trace(jnp.ones((m, 1024), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in hlo, (m, prefetch)
 
@@ -185,6 +197,16 @@ def test_kernel_at_27b_shapes(fmt, n, k, m):
         assert rel(got, gemv_int8_reference(x, pw)) < 1e-5
     else:
         assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,n,k", REAL)
+@pytest.mark.parametrize("m", [16, 23])
+def test_weight_rows_first_at_27b_shapes(fmt, n, k, m):
+    """The tensor-core kernel with the weight rows first (wgmma), compiled, against the reference."""
+    pw = qm.pack(weight(fmt, n, k, seed=m))
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+    assert rel(qm.qmatmul(x, pw, wgmma=True), qm.qmatmul_reference(x, pw)) < BF16_TILES
 
 
 @pytest.mark.gpu
