@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dflash_jax.quant import QK_K
+from pallas_kernels.gemv_int8 import quantize_groups
 from pallas_kernels.qmatmul import INT8_MMA_FORMATS as FORMATS
 from pallas_kernels.qmatmul import PackedWeight, dequantize_packed, prefetch_loop, sum_splits
 from pallas_kernels.tiles import dot_tile
@@ -38,11 +39,8 @@ def quantize_rows(x: jax.Array) -> dict[str, jax.Array]:
     `scale` [M, K / 256] per row and super-block (its largest |x| maps to 127, rounded half up), and each 32-column
     sub-block's quant sum `qsum` [M, K / 32] (int32)."""
     m, k = x.shape
-    g = x.astype(jnp.bfloat16).astype(jnp.float32).reshape(m, k // QK_K, QK_K)
-    amax = jnp.max(jnp.abs(g), axis=-1)
-    inv = jnp.where(amax > 0, 127 / jnp.where(amax > 0, amax, 1), 0)
-    q = jnp.clip(jnp.floor(g * inv[..., None] + 0.5), -127, 127).astype(jnp.int32)
-    return {"q": q.reshape(m, k).astype(jnp.int8), "scale": amax / 127,
+    q, scale = quantize_groups(x.astype(jnp.bfloat16).astype(jnp.float32).reshape(m, k // QK_K, QK_K))
+    return {"q": q.reshape(m, k).astype(jnp.int8), "scale": scale,
             "qsum": jnp.sum(q.reshape(m, k // SUB, SUB), axis=-1)}
 
 

@@ -477,19 +477,18 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         raise ValueError("inline PTX (asm=True) runs only on a GPU, not in interpret mode")
     if gemv and m != 1:
         raise ValueError(f"the GEMV kernel takes one row of x, got {m}")
+    prefetch = PREFETCH[kernel] if prefetch is None else prefetch
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0 K steps, got {prefetch}")
     if (INT8_MMA if int8_mma is None else int8_mma) and not gemv and pw.fmt in INT8_MMA_FORMATS:
         from pallas_kernels import mma_int8  # imported here: mma_int8 builds on this module
         block_n, num_warps = block_n or MMA_INT8_TILES[0], num_warps or MMA_INT8_TILES[1]
         splits = splits or default_splits(n, k // QK_K, block_n)
         return mma_int8.mma_int8(x, pw, block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                                 asm=asm, prefetch=PREFETCH["mma"] if prefetch is None else prefetch,
-                                 interpret=interpret)
+                                 asm=asm, prefetch=prefetch, interpret=interpret)
     m_pad = 1 if gemv else dot_tile(m)
     int8_x = int8_x_mode(INT8_X if int8_x is None else int8_x, gemv, pw.fmt)
     block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps, int8_x)
-    prefetch = PREFETCH[kernel] if prefetch is None else prefetch
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0 K steps, got {prefetch}")
     if int8_x:
         from pallas_kernels import gemv_int8  # imported here: gemv_int8 builds on this module's helpers
         return gemv_int8.gemv_int8(x, pw, in_kernel=int8_x == 2, block_n=block_n, columns=columns, splits=splits,

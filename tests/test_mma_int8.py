@@ -72,6 +72,8 @@ def test_qmatmul_takes_it_for_two_or_more_rows_of_q4_k():
         mi.mma_int8(x, pw, splits=3, interpret=True)
     with pytest.raises(ValueError, match="inline PTX"):
         mi.mma_int8(x, pw, asm=True, interpret=True)
+    with pytest.raises(ValueError, match="prefetch must be >= 0"):
+        qm.qmatmul(x, pw, int8_mma=True, prefetch=-1, interpret=True)
 
 
 def test_lowers_to_triton():
