@@ -117,6 +117,18 @@ def plane_columns(fmt: str, k: int) -> np.ndarray:
     return np.stack([c.reshape(-1) for c in cols])
 
 
+N_PLANES = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 4, "Q8_0": 1, "BF16": 1}  # rows of plane_columns
+PLANE_RUN = 32  # plane_columns' runs of consecutive columns in the multi-plane formats
+
+
+def plane_view(fmt: str, x: jax.Array) -> jax.Array:
+    """x [M, K] as the tensor-core kernel reads it with `x_view`: for Q4_K/Q5_K/Q6_K, [M, K / (planes x 32), planes,
+    32], where [:, :, p] flattened is x at plane p's columns (`plane_columns`) in order; else x. A reshape: no copy
+    and no launch, where gathering x by plane_columns is a launch a product."""
+    planes = N_PLANES[fmt]
+    return x if planes == 1 else x.reshape(x.shape[0], -1, planes, PLANE_RUN)
+
+
 def plane_tile(fmt: str, plane: int, get) -> jax.Array:
     """Dequantized float32 tile [rows, units, ...] of one plane; `get(name, *index)` reads a field's tile.
 
@@ -235,10 +247,33 @@ def default_tiles(m_pad: int, n: int, fmt: str) -> tuple[int, int, int]:
     matrix of at most 8192 rows (the 27B's ffn_down) take 256 columns and 8 warps, which also lets K split 4 ways:
     1.3-1.4x faster there, while the same tiles made Q4_K's ffn_down 1.25x slower
     (scripts/results/qmatmul_h100_sweep_m32.json, qmatmul_h100_m32_narrow.json). Q5_K at 32 rows takes them too:
-    the wide tiles ran 3x slower than at 16 or 64 rows (scripts/results/qmatmul_rows_probe_h100.txt, tiles)."""
+    the wide tiles ran 3x slower than at 16 or 64 rows (scripts/results/qmatmul_rows_probe_h100.txt, tiles).
+    Q4_K at 16 rows takes 64 x 512 too, with 2 pipeline stages (`default_stages`): 1.06-1.28x faster than 32 x 256
+    on four of the 27B's six Q4_K shapes, 1.03-1.08x slower on ffn_down and attn_gate
+    (scripts/results/qmatmul_stages_h100.txt)."""
     if m_pad == 32 and ((n <= 8192 and fmt == "Q6_K") or fmt == "Q5_K"):
         return 64, 256, 8
+    if m_pad == 16 and fmt == "Q4_K":
+        return 64, 512, 4
     return {16: (32, 256, 4), 32: (64, 512, 4)}.get(m_pad, (64, 256, 4))
+
+
+# Triton pipeline stages of the tensor-core kernel by weight format, for 16-32 rows of x (others: 3)
+MMA_STAGES = {"Q4_K": 2}
+
+
+def default_stages(m_pad: int, fmt: str, gemv: bool, wgmma: bool = False) -> int:
+    """Pipeline stages (`num_stages`) of a product: `MMA_STAGES` for the tensor-core kernel at 16-32 rows, else 3.
+    Two stages keep one buffer of each K step's loads instead of two: the Q4_K kernel's 64 x 512 tiles at 32 rows
+    then take 51 KB of shared memory instead of 103 KB and 3 programs an SM instead of 2 (SASS read on a CPU), and
+    ran 1.05-1.35x faster on five of the 27B's six Q4_K shapes at 23 tokens, 1.03x slower on ffn_down; Q5_K and
+    Q6_K gained nothing (scripts/results/qmatmul_stages_h100.txt). A bf16 weight with `wgmma` takes 2 at any row
+    count: its weight tile is staged in shared memory too, and three stages of 64 x 512 overflow an H100's 227 KiB."""
+    if gemv:
+        return 3
+    if wgmma and fmt == "BF16":
+        return 2
+    return MMA_STAGES.get(fmt, 3) if m_pad in (16, 32) else 3
 
 
 # (rows of W per program, columns per K step, warps) of the GEMV: the best single choice of a sweep on an H100 over the
@@ -264,8 +299,13 @@ INT8_MMA_FORMATS = ("Q4_K",)
 MMA_INT8_TILES = (64, 4)
 # Whether the tensor-core kernel multiplies weight rows by tokens (Triton then takes Hopper's warpgroup MMA, wgmma,
 # for row tiles of 64+) instead of tokens by weight rows (mma.sync): fewer instructions for Q4_K and Q5_K in a CPU's
-# SASS read, more for Q6_K at its 8-warp tiles (scripts/results/qmatmul_sass_cpu.txt); not yet timed on a GPU, so off
+# SASS read (scripts/results/qmatmul_sass_cpu.txt), but 1.0-1.4x slower at 16-32 tokens on an H100 at every tile
+# tried (scripts/results/qmatmul_wgmma_h100.txt), so off
 WGMMA = False
+# Whether the tensor-core kernel reads x through `plane_view` (no gather and padding before the kernel): the same
+# SASS as reading the gathered copy (scripts/qmatmul_sass.py, x_view=0/1) and one launch less a product, but the
+# DDTree-22 step was 1.09x slower with it on an H100 (scripts/results/tree_xview_h100.txt), so off
+X_VIEW = False
 
 
 def int8_x_mode(int8_x: int, gemv: bool, fmt: str) -> int:
@@ -390,18 +430,38 @@ def _k_loop(fmt: str, n_planes: int, reader, compute, steps: int, acc, prefetch:
                          lambda tiles, acc: compute(*_from_tiles(tiles), acc), steps, acc, prefetch)
 
 
+def x_reader(x_ref, m: int, m_pad: int, x_view: bool, start, cols: int):
+    """`x_tile(plane)`: [m_pad, cols] bf16 of plane's columns of x from plane column `start`, from the gathered
+    [planes, m_pad, K / planes] or, with `x_view`, from `plane_view`'s reshape of the unpadded x, whose rows past m
+    read zeros."""
+    if not x_view:
+        return lambda plane: x_ref[plane, :, pl.ds(start, cols)]
+
+    def load(ref):
+        if m == m_pad:
+            return plt.load(ref)
+        rows = (jnp.arange(m_pad) < m).reshape((m_pad,) + (1,) * (ref.ndim - 1))
+        return plt.load(ref, mask=rows, other=0)
+
+    if x_ref.ndim == 2:
+        return lambda plane: load(x_ref.at[pl.ds(0, m_pad), pl.ds(start, cols)])
+    return lambda plane: load(x_ref.at[pl.ds(0, m_pad), pl.ds(start // PLANE_RUN, cols // PLANE_RUN),
+                                       jnp.int32(plane), pl.ds(0, PLANE_RUN)]).reshape(m_pad, cols)
+
+
 def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
-            prefetch: int, wgmma: bool, *refs):
+            prefetch: int, wgmma: bool, m: int, m_pad: int, x_view: bool, *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
     row_ok = (r0 + jnp.arange(block_n)) < n  # the last program's rows past N read zeros
-    n_planes, m_pad, width = x_ref.shape[0], x_ref.shape[1], x_ref.shape[2] // w_refs[0].shape[1]
+    n_planes = N_PLANES[fmt]
+    width = unit(fmt, 0) // n_planes  # columns of x per unit and plane
 
     def reader(i, valid):
         i = split * steps + i
         return (tile_reader(w, r0, row_ok, block_n, i * step, step, valid),
-                lambda plane: x_ref[plane, :, pl.ds(i * step * width, step * width)])
+                x_reader(x_ref, m, m_pad, x_view, i * step * width, step * width))
 
     def compute(get, x_tile, acc):
         for plane in range(n_planes):
@@ -448,11 +508,13 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
-                                             "asm", "prefetch", "int8_x", "int8_mma", "wgmma", "interpret"))
+                                             "asm", "prefetch", "int8_x", "int8_mma", "wgmma", "x_view",
+                                             "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
-            splits: int | None = None, num_warps: int | None = None, num_stages: int = 3, gemv: bool | None = None,
-            asm: bool | None = None, prefetch: int | None = None, int8_x: int | None = None,
-            int8_mma: bool | None = None, wgmma: bool | None = None, interpret: bool = False) -> jax.Array:
+            splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+            gemv: bool | None = None, asm: bool | None = None, prefetch: int | None = None, int8_x: int | None = None,
+            int8_mma: bool | None = None, wgmma: bool | None = None, x_view: bool | None = None,
+            interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
     GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` makes Q4_K/Q6_K
@@ -463,7 +525,11 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     makes products of two or more rows of x with a Q4_K weight multiply int8 quants on the tensor cores
     (mma_int8.py; its K step is one super-block, so `columns` does not apply). `wgmma` (default `WGMMA`) puts the
     tensor-core kernel's weight rows first in its products (tokens second), where Triton takes Hopper's warpgroup
-    MMA for row tiles of 64 or more (the SASS read on a CPU: HGMMA instead of HMMA); not yet timed."""
+    MMA for row tiles of 64 or more (the SASS read on a CPU: HGMMA instead of HMMA); slower on an H100.
+    `num_stages` (default `default_stages`) is Triton's software pipeline depth over the K loop. `x_view` (default
+    `X_VIEW`) makes the tensor-core kernel read each plane's columns of x from a reshape of it (`plane_view`) and
+    mask the rows past M, instead of from a copy gathered and padded by XLA before it (one launch less a product;
+    slower on an H100)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -484,9 +550,11 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         from pallas_kernels import mma_int8  # imported here: mma_int8 builds on this module
         block_n, num_warps = block_n or MMA_INT8_TILES[0], num_warps or MMA_INT8_TILES[1]
         splits = splits or default_splits(n, k // QK_K, block_n)
-        return mma_int8.mma_int8(x, pw, block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages,
+        return mma_int8.mma_int8(x, pw, block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages or 3,
                                  asm=asm, prefetch=prefetch, interpret=interpret)
     m_pad = 1 if gemv else dot_tile(m)
+    wgmma = WGMMA if wgmma is None else wgmma
+    num_stages = num_stages or default_stages(m_pad, pw.fmt, gemv, wgmma)
     int8_x = int8_x_mode(INT8_X if int8_x is None else int8_x, gemv, pw.fmt)
     block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps, int8_x)
     if int8_x:
@@ -495,8 +563,12 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
                                    num_warps=num_warps, num_stages=num_stages, asm=asm, prefetch=prefetch,
                                    interpret=interpret)
     step, steps, splits = k_steps(pw.fmt, n, k, block_n, columns, splits, target=2048 if gemv else 1024)
-    xb = jnp.zeros((m_pad, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
-    xp = xb[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)  # [planes, M, K / planes] in each plane's order
+    x_view = (X_VIEW if x_view is None else x_view) and not gemv
+    if x_view:
+        xp = plane_view(pw.fmt, x.astype(jnp.bfloat16))
+    else:
+        xb = jnp.zeros((m_pad, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
+        xp = xb[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)  # [planes, M, K / planes] in each plane's order
     if gemv:
         xp = xp.astype(jnp.float32).reshape((xp.shape[0], -1) + UNIT_SHAPE[pw.fmt])
     names = tuple(sorted(pw.data))
@@ -504,8 +576,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     out = pl.pallas_call(
         functools.partial(_gemv_kernel, pw.fmt, n, step, steps, block_n, names, asm and pw.fmt in PTX_FORMATS,
                           prefetch) if gemv else
-        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch,
-                          WGMMA if wgmma is None else wgmma),
+        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch, wgmma, m, m_pad, x_view),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 
 # qmatmul's module-level kernel choices and tiles, which a benchmark may change for one run
-QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "qmatmul")
+QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
+                    "X_VIEW", "qmatmul")
 
 
 def qmatmul_defaults() -> dict:

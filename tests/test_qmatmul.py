@@ -102,6 +102,22 @@ def test_weight_rows_first_is_the_same_product(fmt, n, k, m):
     assert rel(first, qm.qmatmul_reference(x, pw)) < BF16_TILES
 
 
+@pytest.mark.parametrize("fmt,m", [("Q4_K", 23), ("Q5_K", 16), ("Q6_K", 5), ("Q8_0", 2), ("BF16", 17)])
+def test_x_read_through_a_view_is_the_same_product(fmt, m):
+    """The tensor-core kernel reading each plane's columns of x from plane_view's reshape, rows past M masked, gives
+    exactly the product from the copy gathered and padded before it; plane_view's planes are plane_columns'."""
+    k = 512 if fmt in ("Q4_K", "Q5_K", "Q6_K") else 96
+    pw = qm.pack(weight(fmt, 24, k, seed=m))
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+    viewed = qm.qmatmul(x, pw, x_view=True, interpret=True)
+    assert viewed.shape == (m, 24)
+    assert bool(jnp.array_equal(viewed, qm.qmatmul(x, pw, x_view=False, interpret=True)))
+    view, cols = qm.plane_view(fmt, x), qm.plane_columns(fmt, k)
+    planes = [view] if qm.N_PLANES[fmt] == 1 else [view[:, :, p].reshape(m, -1) for p in range(qm.N_PLANES[fmt])]
+    for plane, c in zip(planes, cols, strict=True):
+        assert bool(jnp.array_equal(plane, x[:, c]))
+
+
 def test_k_splits_agree():
     """Partial products of K split over 1, 2 and 4 programs add up to the same product; a split that does not
     divide the K steps is refused."""
@@ -134,8 +150,10 @@ def test_gpu_variants_lower_to_triton(fmt):
     """What runs only on a GPU (the inline PTX tiles, prefetching in the compiled kernel) lowers to Triton IR here
     too: lowering for CUDA needs no GPU, so an op the Triton lowering lacks fails on a CPU, not first on the device."""
     pw = qm.pack(weight(fmt, 64, 1024))
-    for m, prefetch, wgmma in ((1, 0, False), (1, 2, False), (23, 0, False), (23, 1, False), (23, 0, True)):
-        run = jax.jit(lambda x, w: qm.qmatmul(x, w, prefetch=prefetch, asm=fmt in qm.PTX_FORMATS, wgmma=wgmma))
+    for m, prefetch, wgmma, x_view in ((1, 0, False, True), (1, 2, False, True), (23, 0, False, True),
+                                       (23, 1, False, True), (23, 0, True, True), (23, 0, False, False)):
+        run = jax.jit(lambda x, w: qm.qmatmul(x, w, prefetch=prefetch, asm=fmt in qm.PTX_FORMATS, wgmma=wgmma,
+                                              x_view=x_view))
         hlo = run.trace(jnp.ones((m, 1024), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in hlo, (m, prefetch)
 
@@ -150,6 +168,16 @@ def test_default_splits_fill_the_gpu_only_when_needed():
     assert qm.default_tiles(32, 5120, "Q6_K") == (64, 256, 8)  # measured faster only for Q6_K's ffn_down
     assert qm.default_tiles(32, 5120, "Q4_K") == qm.default_tiles(32, 17408, "Q6_K") == (64, 512, 4)
     assert qm.default_tiles(32, 10240, "Q5_K") == (64, 256, 8) and qm.default_tiles(64, 10240, "Q5_K") == (64, 256, 4)
+    assert qm.default_tiles(16, 17408, "Q4_K") == (64, 512, 4) and qm.default_tiles(16, 17408, "Q6_K") == (32, 256, 4)
+
+
+def test_default_stages():
+    """Two pipeline stages for the Q4_K tensor-core kernel at 16-32 rows and for bf16 weights under wgmma (whose
+    three stages overflow shared memory); three elsewhere."""
+    assert qm.default_stages(32, "Q4_K", gemv=False) == qm.default_stages(16, "Q4_K", gemv=False) == 2
+    assert qm.default_stages(64, "Q4_K", gemv=False) == qm.default_stages(1, "Q4_K", gemv=True) == 3
+    assert qm.default_stages(32, "Q6_K", gemv=False) == qm.default_stages(32, "BF16", gemv=False) == 3
+    assert qm.default_stages(32, "BF16", gemv=False, wgmma=True) == qm.default_stages(64, "BF16", False, True) == 2
 
 
 def test_bad_inputs_raise():
@@ -207,6 +235,15 @@ def test_weight_rows_first_at_27b_shapes(fmt, n, k, m):
     pw = qm.pack(weight(fmt, n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     assert rel(qm.qmatmul(x, pw, wgmma=True), qm.qmatmul_reference(x, pw)) < BF16_TILES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,n,k", REAL)
+def test_x_read_through_a_view_at_27b_shapes(fmt, n, k):
+    """The tensor-core kernel reading x through plane_view (rows past M masked), compiled, against the reference."""
+    pw = qm.pack(weight(fmt, n, k, seed=23))
+    x = jax.random.normal(jax.random.key(23), (23, k), jnp.float32)
+    assert rel(qm.qmatmul(x, pw, x_view=True), qm.qmatmul_reference(x, pw)) < BF16_TILES
 
 
 @pytest.mark.gpu
