@@ -6,7 +6,7 @@
 
 Each product runs twice (the first compiles), by default ffn_gate (Q4_K 17408 x 5120) at M = 1 and M = 32 and
 ffn_down (Q6_K 5120 x 17408) at M = 1; `--products M:KERNEL ...` profiles ffn_gate at M tokens through the bf16
-tensor-core kernel or the int8 one (mma_int8.py) instead. ncu replays a kernel many times over the same weights, so
+tensor-core kernel, the int8 one (mma_int8.py), or the bf16 one reading x through `plane_view` (`view`) instead. ncu replays a kernel many times over the same weights, so
 part of them comes from the L2 (50 MB on an H100): its durations are optimistic; the occupancy, register and stall
 figures are what it is for.
 """
@@ -25,14 +25,20 @@ from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
 
 PRODUCTS = [("Q4_K", 17408, 5120, 1, {}), ("Q4_K", 17408, 5120, 32, {}), ("Q6_K", 5120, 17408, 1, {})]
+KERNELS = {"bf16": {"int8_mma": False, "x_view": False}, "int8": {"int8_mma": True},
+           "view": {"int8_mma": False, "x_view": True}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--products", nargs="+", metavar="M:KERNEL", help="ffn_gate at M tokens, KERNEL bf16 or int8")
+    ap.add_argument("--products", nargs="+", metavar="M:KERNEL",
+                    help=f"ffn_gate at M tokens, KERNEL one of {', '.join(KERNELS)}")
     args = ap.parse_args()
-    products = [("Q4_K", 17408, 5120, int(m), {"int8_mma": kernel == "int8"})
-                for m, kernel in (spec.split(":") for spec in args.products)] if args.products else PRODUCTS
+    specs = [spec.split(":") for spec in args.products or ()]
+    unknown = sorted({kernel for _, kernel in specs} - set(KERNELS))
+    if unknown:
+        raise SystemExit(f"unknown kernel(s) {', '.join(unknown)}; the kernels are {', '.join(KERNELS)}")
+    products = [("Q4_K", 17408, 5120, int(m), KERNELS[kernel]) for m, kernel in specs] if specs else PRODUCTS
     for fmt, n, k, m, opts in products:
         pw = qm.pack(random_qtensor(jax.random.key(0), fmt, (n, k)))
         x = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
