@@ -136,25 +136,32 @@ def plane_tile(fmt: str, plane: int, get) -> jax.Array:
     reads from refs, the reference from whole arrays, so both run this same arithmetic.
     """
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
     if fmt == "BF16":
         return f32(get("w"))
     if fmt == "Q8_0":
         return f32(get("qs")) * f32(get("d"))[..., None]
+    q = plane_quants(fmt, plane, get)
     if fmt == "Q6_K":
-        c = plane
-        low = (i32(get("ql", slice(None), c % 2)) >> (4 * (c // 2))) & 0xF  # [rows, units, h, half, 16]
-        q = low | (((i32(get("qh")) >> (2 * c)) & 3) << 4)
-        scale = f32(get("d"))[..., None, None] * f32(get("sc", c))  # [rows, units, h, half]
+        scale = f32(get("d"))[..., None, None] * f32(get("sc", plane))  # [rows, units, h, half]
         return f32(q - 32) * scale[..., None]
     nib = plane  # Q4_K, Q5_K
-    q = (i32(get("qs")) >> (4 * nib)) & 0xF  # [rows, units, p, 32]
-    if fmt == "Q5_K":
-        shift = 2 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 4, 1), 2) + nib
-        q = q | (((i32(get("qh"))[:, :, None, :] >> shift) & 1) << 4)
     scale = f32(get("d"))[..., None] * f32(get("sc", nib))  # [rows, units, p]
     offset = f32(get("dmin"))[..., None] * f32(get("mn", nib))
     return f32(q) * scale[..., None] - offset[..., None]
+
+
+def plane_quants(fmt: str, plane: int, get) -> jax.Array:
+    """The unsigned quants (int32) of a Q4_K/Q5_K/Q6_K plane tile: [rows, units, p, 32], Q6_K [rows, units, h,
+    half, 16]."""
+    i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
+    if fmt == "Q6_K":
+        low = (i32(get("ql", slice(None), plane % 2)) >> (4 * (plane // 2))) & 0xF
+        return low | (((i32(get("qh")) >> (2 * plane)) & 3) << 4)
+    q = (i32(get("qs")) >> (4 * plane)) & 0xF
+    if fmt == "Q5_K":
+        shift = 2 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 4, 1), 2) + plane
+        q = q | (((i32(get("qh"))[:, :, None, :] >> shift) & 1) << 4)
+    return q
 
 
 # PTX that dequantizes the 4 quant bytes of one 32-bit register into 4 weights of one plane. prmt places each 4-6 bit
@@ -212,29 +219,93 @@ def plane_tile_asm(fmt: str, plane: int, get, dtype=jnp.bfloat16) -> jax.Array:
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(shape, dtype)])[0]
 
 
-def plane_tile_bf16(fmt: str, plane: int, get, asm: bool) -> jax.Array:
+def plane_tile_bf16(fmt: str, plane: int, get, asm: bool, bf16x2: bool = False) -> jax.Array:
     """A Q4_K/Q6_K plane tile rounded to bf16, by inline PTX (`asm`, `plane_tile_asm`) or as `plane_tile` computes
-    it; the two differ only in float32 rounding before the bf16 one."""
+    it; the two differ only in float32 rounding before the bf16 one. `bf16x2`: in packed bf16 arithmetic, by inline
+    PTX (`plane_tile_bf16x2`) or its jnp emulation (`plane_tile_bf16x2_reference`)."""
+    if bf16x2:
+        return plane_tile_bf16x2(fmt, plane, get) if asm else plane_tile_bf16x2_reference(fmt, plane, get)
     return plane_tile_asm(fmt, plane, get) if asm else plane_tile(fmt, plane, get).astype(jnp.bfloat16)
+
+
+# The same in packed bf16 arithmetic, two weights an instruction (`bf16x2`): one prmt places two quant bytes under
+# 0x43 bytes, the bf16 pair (128 + q0, 128 + q1); sub.bf16x2 takes the 128 off exactly; fma.rn.bf16x2 makes
+# q * scale + neg_min with one rounding. Its scale and neg_min are rounded to bf16 per sub-block first (the float32
+# form rounds only the weight). Outputs: 2 bf16 pairs ($0-$1); inputs: the quant register(s), then the scales and
+# the neg_mins as 2 bf16 pairs each (the 4 weights of a register share one sub-block).
+_PTX_BF16X2_HEAD = """{{
+.reg .b32 m, h, c, k, t;
+mov.b32 c, 0x43;
+mov.b32 k, 0x43004300;
+shr.u32 m, ${q}, {low_shift};
+and.b32 m, m, 0x0F0F0F0F;
+"""
+_PTX_BF16X2_PAIRS = "".join(f"""prmt.b32 t, m, c, 0x4{2 * i + 1}4{2 * i};
+sub.rn.bf16x2 t, t, k;
+fma.rn.bf16x2 ${i}, t, ${{s{i}}}, ${{o{i}}};
+""" for i in range(2)) + "}}"
+
+
+def bf16x2_scales(fmt: str, plane: int, get) -> tuple[jax.Array, jax.Array]:
+    """(scale, neg_min) of a Q4_K/Q6_K plane tile's sub-blocks rounded to bf16, as `bf16x2` dequantizes with them:
+    a weight is q * scale + neg_min (Q6_K: neg_min = -32 * scale, exact)."""
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    if fmt == "Q4_K":
+        scale = (f32(get("d"))[..., None] * f32(get("sc", plane))).astype(jnp.bfloat16)  # [rows, units, p]
+        return scale, (-f32(get("dmin"))[..., None] * f32(get("mn", plane))).astype(jnp.bfloat16)
+    if fmt == "Q6_K":
+        scale = (f32(get("d"))[..., None, None] * f32(get("sc", plane))).astype(jnp.bfloat16)  # [rows, units, h, half]
+        return scale, scale * -32
+    raise ValueError(f"no bf16x2 dequantization for {fmt}")
+
+
+def plane_tile_bf16x2_reference(fmt: str, plane: int, get) -> jax.Array:
+    """The bf16 tile `plane_tile_bf16x2` makes, by jnp ops: q * scale + neg_min in float32 (exact unless the two
+    terms' exponents are more than 10 apart: q has at most 6 significant bits, scale and neg_min 8), rounded to bf16,
+    as the PTX's fma rounds once (the two can differ by a bf16 ulp where float32 rounded first)."""
+    scale, neg_min = (a.astype(jnp.float32)[..., None] for a in bf16x2_scales(fmt, plane, get))
+    return (plane_quants(fmt, plane, get).astype(jnp.float32) * scale + neg_min).astype(jnp.bfloat16)
+
+
+def plane_tile_bf16x2(fmt: str, plane: int, get) -> jax.Array:
+    """A Q4_K/Q6_K plane tile dequantized to bf16 by inline PTX in packed bf16 arithmetic (GPU only): the
+    tensor-core kernel then takes about 1 instruction per weight fewer than with `plane_tile_asm`'s float32 fma and
+    conversion (scripts/results/qmatmul_sass_bf16x2_cpu.txt)."""
+    scale, neg_min = bf16x2_scales(fmt, plane, get)
+    if fmt == "Q4_K":
+        quants, shifts, high = [get("qs")], dict(low_shift=4 * plane), ""
+    else:
+        quants = [get("ql", slice(None), plane % 2), get("qh")]
+        shifts, high = dict(low_shift=4 * (plane // 2), high_shift=2 * plane), _PTX_Q6K_HIGH
+    shape = quants[0].shape
+    regs = {f"{name}{i}": 2 + len(quants) + 2 * j + i for j, name in enumerate("so") for i in range(2)}
+    code = (_PTX_BF16X2_HEAD + high + _PTX_BF16X2_PAIRS).format(q=2, qh=3, **shifts, **regs)
+    args = quants + [jnp.broadcast_to(a[..., None], shape) for a in (scale, neg_min)]
+    constraints = ",".join(["=r"] * 2 + ["r"] * (len(quants) + 4))
+    return plt.elementwise_inline_asm(code, args=args, constraints=constraints, pack=4,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.bfloat16)])[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reference
 
-def dequantize_packed(pw: PackedWeight) -> jax.Array:
-    """The float32 [N, K] matrix a PackedWeight stores (equal to quant.dequantize of the tensor it came from)."""
+def dequantize_packed(pw: PackedWeight, bf16x2: bool = False) -> jax.Array:
+    """The float32 [N, K] matrix a PackedWeight stores (equal to quant.dequantize of the tensor it came from);
+    `bf16x2`: a Q4_K/Q6_K matrix as the `bf16x2` kernel dequantizes it (`plane_tile_bf16x2_reference`)."""
     n, k = pw.shape
     get = lambda name, *idx: pw.data[name][(slice(None), slice(None), *idx)]  # noqa: E731
+    tile = plane_tile_bf16x2_reference if bf16x2 and pw.fmt in PTX_FORMATS else plane_tile
     out = jnp.zeros((n, k), jnp.float32)
     for plane, cols in enumerate(plane_columns(pw.fmt, k)):
-        out = out.at[:, cols].set(plane_tile(pw.fmt, plane, get).reshape(n, -1))
+        out = out.at[:, cols].set(tile(pw.fmt, plane, get).astype(jnp.float32).reshape(n, -1))
     return out
 
 
-def qmatmul_reference(x: jax.Array, pw: PackedWeight) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32, with x rounded to bf16 as the kernel takes it."""
+def qmatmul_reference(x: jax.Array, pw: PackedWeight, bf16x2: bool = False) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32, with x rounded to bf16 as the kernel takes it (`bf16x2`: the weights as
+    that kernel dequantizes them)."""
     xb = x.astype(jnp.bfloat16).astype(jnp.float32)
-    return jnp.einsum("mk,nk->mn", xb, dequantize_packed(pw), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("mk,nk->mn", xb, dequantize_packed(pw, bf16x2), precision=jax.lax.Precision.HIGHEST)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,6 +377,10 @@ WGMMA = False
 # SASS as reading the gathered copy (scripts/qmatmul_sass.py, x_view=0/1) and one launch less a product, but the
 # DDTree-22 step was 1.09x slower with it on an H100 (scripts/results/tree_xview_h100.txt), so off
 X_VIEW = False
+# Whether the tensor-core kernel dequantizes Q4_K/Q6_K tiles in packed bf16 arithmetic (`plane_tile_bf16x2`): 6.22
+# instructions per weight instead of 7.23 for Q4_K at 23 tokens in the SASS read on a CPU
+# (scripts/results/qmatmul_sass_bf16x2_cpu.txt); not yet run or timed on a GPU, so off
+BF16X2 = False
 
 
 def int8_x_mode(int8_x: int, gemv: bool, fmt: str) -> int:
@@ -450,7 +525,7 @@ def x_reader(x_ref, m: int, m_pad: int, x_view: bool, start, cols: int):
 
 
 def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
-            prefetch: int, wgmma: bool, m: int, m_pad: int, x_view: bool, *refs):
+            prefetch: int, wgmma: bool, m: int, m_pad: int, x_view: bool, bf16x2: bool, *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
@@ -468,7 +543,7 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
             if fmt == "BF16":  # a plain 2-D tile: measured twice as fast as the same bytes through a 3-D one
                 tile = get("w")
             elif fmt in PTX_FORMATS:
-                tile = plane_tile_bf16(fmt, plane, get, asm).reshape(block_n, -1)
+                tile = plane_tile_bf16(fmt, plane, get, asm, bf16x2).reshape(block_n, -1)
             else:
                 tile = plane_tile(fmt, plane, get).reshape(block_n, -1).astype(jnp.bfloat16)
             operands = (tile, x_tile(plane)) if wgmma else (x_tile(plane), tile)
@@ -508,13 +583,13 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
-                                             "asm", "prefetch", "int8_x", "int8_mma", "wgmma", "x_view",
+                                             "asm", "prefetch", "int8_x", "int8_mma", "wgmma", "x_view", "bf16x2",
                                              "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
             splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, asm: bool | None = None, prefetch: int | None = None, int8_x: int | None = None,
             int8_mma: bool | None = None, wgmma: bool | None = None, x_view: bool | None = None,
-            interpret: bool = False) -> jax.Array:
+            bf16x2: bool | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
     GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` makes Q4_K/Q6_K
@@ -529,7 +604,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     `num_stages` (default `default_stages`) is Triton's software pipeline depth over the K loop. `x_view` (default
     `X_VIEW`) makes the tensor-core kernel read each plane's columns of x from a reshape of it (`plane_view`) and
     mask the rows past M, instead of from a copy gathered and padded by XLA before it (one launch less a product;
-    slower on an H100)."""
+    slower on an H100). `bf16x2` (default `BF16X2`) makes the tensor-core kernel dequantize Q4_K/Q6_K tiles in
+    packed bf16 arithmetic, scales rounded to bf16 per sub-block (`plane_tile_bf16x2`; its jnp emulation without
+    `asm`)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -576,7 +653,8 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     out = pl.pallas_call(
         functools.partial(_gemv_kernel, pw.fmt, n, step, steps, block_n, names, asm and pw.fmt in PTX_FORMATS,
                           prefetch) if gemv else
-        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch, wgmma, m, m_pad, x_view),
+        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch, wgmma, m, m_pad, x_view,
+                          BF16X2 if bf16x2 is None else bf16x2),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -5,12 +5,12 @@ build).
     python scripts/ar_variants.py --out tree.json --mode ddtree --variants shipped mma_stages_q4_k=3
 
 A variant is `KEY=INT,...` over qmatmul's defaults (keys: gemv_asm, gemv_prefetch, mma_asm, mma_prefetch, int8_x,
-int8_block_n, int8_columns, int8_warps, mma_stages_<format>, mma_x_view; `shipped` for none). Each variant's step
-is compiled once, ahead of time, under its options (jax's caches cleared first, so the kernels are traced again),
-and kept; then each round runs every variant in turn: an engine (`--mode`: ar, or ddtree at `--budget`, whose verify
-multiplies budget + 1 tokens whatever the random drafter proposes) generates `--n_gen` tokens after a random prompt
-`--repeats` times, and the step time is the median over those generations of the decode time less the first step
-over the remaining steps.
+int8_block_n, int8_columns, int8_warps, mma_stages_<format>, mma_x_view, mma_bf16x2; `shipped` for none). Each
+variant's step is compiled once, ahead of time, under its options (jax's caches cleared first, so the kernels are
+traced again), and kept; then each round runs every variant in turn: an engine (`--mode`: ar, or ddtree at
+`--budget`, whose verify multiplies budget + 1 tokens whatever the random drafter proposes) generates `--n_gen`
+tokens after a random prompt `--repeats` times, and the step time is the median over those generations of the
+decode time less the first step over the remaining steps.
 Also listed: where each variant's greedy continuation first differs from the first variant's (options that change
 float32 rounding may part the near-tied logits of random weights), from the compiling generation, whose prefill
 ran under the same options. A table is printed last. `--model tiny` runs the same on a tiny random pair (a quick
@@ -50,7 +50,8 @@ SETTERS = {**{f"{kernel}_asm": (lambda v, k=kernel: qm.ASM.__setitem__(k, bool(v
            **{f"int8_{name}": _set_tile(i) for i, name in enumerate(("block_n", "columns", "warps"))},
            **{f"mma_stages_{fmt.lower()}": (lambda v, f=fmt: qm.MMA_STAGES.__setitem__(f, v))
               for fmt in qm.PACKED_FORMATS},
-           "mma_x_view": lambda v: setattr(qm, "X_VIEW", bool(v))}
+           "mma_x_view": lambda v: setattr(qm, "X_VIEW", bool(v)),
+           "mma_bf16x2": lambda v: setattr(qm, "BF16X2", bool(v))}
 
 
 def options(spec: str) -> dict[str, int]:
@@ -122,7 +123,7 @@ def main() -> None:
             first[spec] = dict(compile_s=time.perf_counter() - t0, parts_at=first_difference(tokens, first_tokens),
                                asm=dict(qm.ASM), prefetch=dict(qm.PREFETCH), int8_x=qm.INT8_X,
                                int8_tiles=qm.GEMV_INT8_TILES, mma_stages=dict(qm.MMA_STAGES),
-                               x_view=qm.X_VIEW)
+                               x_view=qm.X_VIEW, bf16x2=qm.BF16X2)
             log(f"{spec:32s} compiled and run once in {first[spec]['compile_s']:.0f} s")
     finally:
         set_qmatmul_defaults(shipped)

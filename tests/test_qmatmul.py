@@ -118,6 +118,25 @@ def test_x_read_through_a_view_is_the_same_product(fmt, m):
         assert bool(jnp.array_equal(plane, x[:, c]))
 
 
+@pytest.mark.parametrize("fmt,m", [("Q4_K", 23), ("Q6_K", 3), ("Q5_K", 5)])
+def test_bf16x2_dequantization(fmt, m):
+    """bf16x2 dequantizes Q4_K/Q6_K tiles as q * scale + neg_min with scale and neg_min rounded to bf16: within bf16
+    rounding of the float32 weights, and the kernel (its jnp emulation in interpret mode) gives that reference's
+    product; other formats are not affected."""
+    k = 512
+    pw = qm.pack(weight(fmt, 24, k, seed=m))
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+    got = qm.qmatmul(x, pw, bf16x2=True, interpret=True)
+    assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
+    w, w2 = qm.dequantize_packed(pw), qm.dequantize_packed(pw, bf16x2=True)
+    if fmt in qm.PTX_FORMATS:
+        assert rel(got, qm.qmatmul_reference(x, pw, bf16x2=True)) < 1e-5
+        assert 0 < rel(w2, w) < 4e-3
+    else:
+        assert bool(jnp.array_equal(w2, w))
+        assert bool(jnp.array_equal(got, qm.qmatmul(x, pw, bf16x2=False, interpret=True)))
+
+
 def test_k_splits_agree():
     """Partial products of K split over 1, 2 and 4 programs add up to the same product; a split that does not
     divide the K steps is refused."""
@@ -150,10 +169,12 @@ def test_gpu_variants_lower_to_triton(fmt):
     """What runs only on a GPU (the inline PTX tiles, prefetching in the compiled kernel) lowers to Triton IR here
     too: lowering for CUDA needs no GPU, so an op the Triton lowering lacks fails on a CPU, not first on the device."""
     pw = qm.pack(weight(fmt, 64, 1024))
-    for m, prefetch, wgmma, x_view in ((1, 0, False, True), (1, 2, False, True), (23, 0, False, True),
-                                       (23, 1, False, True), (23, 0, True, True), (23, 0, False, False)):
+    for m, prefetch, wgmma, x_view, bf16x2 in ((1, 0, False, True, False), (1, 2, False, True, False),
+                                               (23, 0, False, True, False), (23, 1, False, True, False),
+                                               (23, 0, True, True, False), (23, 0, False, False, False),
+                                               (23, 0, False, False, True), (23, 1, False, False, True)):
         run = jax.jit(lambda x, w: qm.qmatmul(x, w, prefetch=prefetch, asm=fmt in qm.PTX_FORMATS, wgmma=wgmma,
-                                              x_view=x_view))
+                                              x_view=x_view, bf16x2=bf16x2))
         hlo = run.trace(jnp.ones((m, 1024), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in hlo, (m, prefetch)
 
@@ -235,6 +256,20 @@ def test_weight_rows_first_at_27b_shapes(fmt, n, k, m):
     pw = qm.pack(weight(fmt, n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     assert rel(qm.qmatmul(x, pw, wgmma=True), qm.qmatmul_reference(x, pw)) < BF16_TILES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,n,k", REAL[:3])
+@pytest.mark.parametrize("m", [16, 23])
+def test_bf16x2_at_27b_shapes(fmt, n, k, m):
+    """The bf16x2 inline PTX, compiled, against its jnp reference (same weights to the bit but for fma's rounding
+    ties, so the products agree to float32 summation order) and within bf16 rounding of the float32 reference."""
+    pw = qm.pack(weight(fmt, n, k, seed=m))
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+    got = qm.qmatmul(x, pw, bf16x2=True)
+    if fmt in qm.PTX_FORMATS:
+        assert rel(got, qm.qmatmul_reference(x, pw, bf16x2=True)) < 1e-4
+    assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
 
 
 @pytest.mark.gpu
