@@ -193,26 +193,36 @@ cvt.rn.bf16x2.f32 $1, w3, w2;
 PTX_FORMATS = ("Q4_K", "Q6_K")
 
 
+def _ptx_quants(fmt: str, plane: int, get) -> tuple[list, dict, str]:
+    """The inline PTX's quant tiles of a Q4_K/Q6_K plane ([rows, units, p, 32]; Q6_K's low and high bits, [rows,
+    units, h, half, 16]), the shifts that take the plane's bits out of them, and Q6_K's code for the high bits."""
+    if fmt == "Q4_K":
+        return [get("qs")], dict(low_shift=4 * plane), ""
+    if fmt == "Q6_K":
+        return ([get("ql", slice(None), plane % 2), get("qh")], dict(low_shift=4 * (plane // 2), high_shift=2 * plane),
+                _PTX_Q6K_HIGH)
+    raise ValueError(f"no inline PTX dequantization for {fmt}")
+
+
+def _ptx_scales(fmt: str, plane: int, get) -> tuple[jax.Array, jax.Array | None]:
+    """(scale, neg_min) in float32 of each sub-block of a Q4_K/Q6_K plane tile, [rows, units, p] (Q6_K [rows, units,
+    h, half], no neg_min: its weights are (q - 32) * scale), for the inline PTX: a weight is q * scale + neg_min."""
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    if fmt == "Q6_K":
+        return f32(get("d"))[..., None, None] * f32(get("sc", plane)), None
+    return f32(get("d"))[..., None] * f32(get("sc", plane)), -f32(get("dmin"))[..., None] * f32(get("mn", plane))
+
+
 def plane_tile_asm(fmt: str, plane: int, get, dtype=jnp.bfloat16) -> jax.Array:
     """A Q4_K/Q6_K plane tile dequantized by inline PTX (GPU only; about 3 instructions per weight instead of 5),
     in bf16 or float32 (`dtype`); the values are `plane_tile`'s up to float32 rounding."""
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    if fmt == "Q4_K":
-        quants = [get("qs")]  # [rows, units, p, 32]
-        scale = f32(get("d"))[..., None] * f32(get("sc", plane))  # [rows, units, p]
-        offset = -f32(get("dmin"))[..., None] * f32(get("mn", plane)) - 128 * scale
-        shifts = dict(low_shift=4 * plane)
-    elif fmt == "Q6_K":
-        quants = [get("ql", slice(None), plane % 2), get("qh")]  # [rows, units, h, half, 16]
-        scale = f32(get("d"))[..., None, None] * f32(get("sc", plane))  # [rows, units, h, half]
-        offset = -160 * scale  # q - 32 = (128 + q) - 160
-        shifts = dict(low_shift=4 * (plane // 2), high_shift=2 * plane)
-    else:
-        raise ValueError(f"no inline PTX dequantization for {fmt}")
+    quants, shifts, high = _ptx_quants(fmt, plane, get)
+    scale, neg_min = _ptx_scales(fmt, plane, get)
+    # q * scale + neg_min = (128 + q) * scale + offset; Q6_K: q - 32 = (128 + q) - 160
+    offset = -160 * scale if neg_min is None else neg_min - 128 * scale
     shape, outputs = quants[0].shape, 4 if dtype == jnp.float32 else 2
     regs = {f"{name}{i}": outputs + len(quants) + 4 * j + i for j, name in enumerate("so") for i in range(4)}
-    code = (_PTX_HEAD + (_PTX_Q6K_HIGH if fmt == "Q6_K" else "") + _PTX_DEQUANT + _PTX_OUT[dtype]).format(
-        q=outputs, qh=outputs + 1, **shifts, **regs)
+    code = (_PTX_HEAD + high + _PTX_DEQUANT + _PTX_OUT[dtype]).format(q=outputs, qh=outputs + 1, **shifts, **regs)
     args = quants + [jnp.broadcast_to(a[..., None], shape) for a in (scale, offset)]
     constraints = ",".join(["=r"] * outputs + ["r"] * (len(quants) + 8))
     return plt.elementwise_inline_asm(code, args=args, constraints=constraints, pack=4,
@@ -249,14 +259,11 @@ fma.rn.bf16x2 ${i}, t, ${{s{i}}}, ${{o{i}}};
 def bf16x2_scales(fmt: str, plane: int, get) -> tuple[jax.Array, jax.Array]:
     """(scale, neg_min) of a Q4_K/Q6_K plane tile's sub-blocks rounded to bf16, as `bf16x2` dequantizes with them:
     a weight is q * scale + neg_min (Q6_K: neg_min = -32 * scale, exact)."""
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    if fmt == "Q4_K":
-        scale = (f32(get("d"))[..., None] * f32(get("sc", plane))).astype(jnp.bfloat16)  # [rows, units, p]
-        return scale, (-f32(get("dmin"))[..., None] * f32(get("mn", plane))).astype(jnp.bfloat16)
-    if fmt == "Q6_K":
-        scale = (f32(get("d"))[..., None, None] * f32(get("sc", plane))).astype(jnp.bfloat16)  # [rows, units, h, half]
-        return scale, scale * -32
-    raise ValueError(f"no bf16x2 dequantization for {fmt}")
+    if fmt not in PTX_FORMATS:
+        raise ValueError(f"no bf16x2 dequantization for {fmt}")
+    scale, neg_min = _ptx_scales(fmt, plane, get)
+    scale = scale.astype(jnp.bfloat16)
+    return scale, scale * -32 if neg_min is None else neg_min.astype(jnp.bfloat16)
 
 
 def plane_tile_bf16x2_reference(fmt: str, plane: int, get) -> jax.Array:
@@ -272,11 +279,7 @@ def plane_tile_bf16x2(fmt: str, plane: int, get) -> jax.Array:
     tensor-core kernel then takes about 1 instruction per weight fewer than with `plane_tile_asm`'s float32 fma and
     conversion (scripts/results/qmatmul_sass_bf16x2_cpu.txt)."""
     scale, neg_min = bf16x2_scales(fmt, plane, get)
-    if fmt == "Q4_K":
-        quants, shifts, high = [get("qs")], dict(low_shift=4 * plane), ""
-    else:
-        quants = [get("ql", slice(None), plane % 2), get("qh")]
-        shifts, high = dict(low_shift=4 * (plane // 2), high_shift=2 * plane), _PTX_Q6K_HIGH
+    quants, shifts, high = _ptx_quants(fmt, plane, get)
     shape = quants[0].shape
     regs = {f"{name}{i}": 2 + len(quants) + 2 * j + i for j, name in enumerate("so") for i in range(2)}
     code = (_PTX_BF16X2_HEAD + high + _PTX_BF16X2_PAIRS).format(q=2, qh=3, **shifts, **regs)
@@ -631,6 +634,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
                                  asm=asm, prefetch=prefetch, interpret=interpret)
     m_pad = 1 if gemv else dot_tile(m)
     wgmma = WGMMA if wgmma is None else wgmma
+    bf16x2 = BF16X2 if bf16x2 is None else bf16x2
     num_stages = num_stages or default_stages(m_pad, pw.fmt, gemv, wgmma)
     int8_x = int8_x_mode(INT8_X if int8_x is None else int8_x, gemv, pw.fmt)
     block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps, int8_x)
@@ -654,7 +658,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         functools.partial(_gemv_kernel, pw.fmt, n, step, steps, block_n, names, asm and pw.fmt in PTX_FORMATS,
                           prefetch) if gemv else
         functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch, wgmma, m, m_pad, x_view,
-                          BF16X2 if bf16x2 is None else bf16x2),
+                          bf16x2),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
