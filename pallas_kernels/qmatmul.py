@@ -13,11 +13,14 @@ the activations, which the wrapper permutes into each plane's column order once 
 plain 2-D bf16 tile. A matrix with few row tiles (the 5120-row ones) splits K over several programs (`splits`), so
 that every multiprocessor streams, and XLA adds their partial products.
 
-On a GPU, Q4_K and Q6_K tiles are dequantized by inline PTX (`plane_tile_bf16`): prmt builds each quant's float32
+On a GPU, Q4_K and Q6_K tiles are dequantized by inline PTX (`plane_tile_asm`): prmt builds each quant's float32
 (128 + q) from its byte without a conversion instruction, one fma applies scale and offset, and cvt.rn.bf16x2 packs
 two weights, about 3 instructions per weight instead of 5. The values are plane_tile's up to float32 rounding. On
 an H100 that makes the 32-row products 1.15-1.3x faster (16 rows: 1.0-1.3x) and the 27B's DDTree-22 step 38.5 ->
 32.8 ms (scripts/results/qmatmul_rows_probe_h100.txt, bench_27b_h100_dequant.txt); `asm=False` turns it off.
+By default (`TILE_MATH`) they are dequantized two weights an instruction in packed float16 instead and multiplied
+with x in float16 (`plane_tile_pairs`, f16x2; x scaled by 2**-8 and the weights by 2**8 to keep x's range): 1.02-1.15x
+faster for Q4_K and 3x closer to the float32 product.
 
 One token (M = 1, the AR decode step) takes a GEMV instead (`gemv`): no tensor cores, so no bf16 rounding of the
 tile and no shuffle into the product's operand layout; each program owns 8 rows, multiplies each plane's float32
@@ -65,6 +68,8 @@ class PackedWeight:
     data: dict[str, jax.Array]  # every array is [N, units, ...]: one row of W per leading index
     fmt: str = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    # whether float16 holds the weights, scales and mins times 2**F16_SHIFT (`f16x2` tiles; `pack` checks)
+    f16_ok: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +106,21 @@ def pack(qt: QTensor) -> PackedWeight:
                 "d": f["d"].reshape(n, nb), "dmin": f["dmin"].reshape(n, nb)}
         if qt.fmt == "Q5_K":
             data["qh"] = f["qh"].reshape(n, nb, 32)
-    return PackedWeight(data, qt.fmt, (n, k))
+    return PackedWeight(data, qt.fmt, (n, k), f16_ok=f16_fits(qt.fmt, data))
+
+
+def f16_fits(fmt: str, data: dict[str, jax.Array]) -> bool:
+    """Whether a Q4_K/Q6_K weight dequantizes in float16 after scaling by 2**F16_SHIFT (`f16x2`): every intermediate
+    q * scale and neg_min stays under 2**15 (float16 holds 65504); False for other formats and for traced arrays."""
+    if fmt not in PTX_FORMATS or any(isinstance(a, jax.core.Tracer) for a in data.values()):
+        return False
+    per_block = lambda name: jnp.abs(data[name].astype(jnp.float32)).reshape(data["d"].shape + (-1,))  # noqa: E731
+    per_super = lambda name: jnp.abs(data[name].astype(jnp.float32))[..., None]  # noqa: E731
+    if fmt == "Q6_K":  # (q - 32) * scale with q < 64: |q * scale| + |32 * scale| <= 95 |scale|
+        bound = (95 * per_super("d") * per_block("sc")).max()
+    else:  # q < 16
+        bound = (15 * per_super("d") * per_block("sc") + per_super("dmin") * per_block("mn")).max()
+    return bool(bound * 2 ** F16_SHIFT < 2 ** 15)
 
 
 def plane_columns(fmt: str, k: int) -> np.ndarray:
@@ -229,86 +248,114 @@ def plane_tile_asm(fmt: str, plane: int, get, dtype=jnp.bfloat16) -> jax.Array:
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(shape, dtype)])[0]
 
 
-def plane_tile_bf16(fmt: str, plane: int, get, asm: bool, bf16x2: bool = False) -> jax.Array:
-    """A Q4_K/Q6_K plane tile rounded to bf16, by inline PTX (`asm`, `plane_tile_asm`) or as `plane_tile` computes
-    it; the two differ only in float32 rounding before the bf16 one. `bf16x2`: in packed bf16 arithmetic, by inline
-    PTX (`plane_tile_bf16x2`) or its jnp emulation (`plane_tile_bf16x2_reference`)."""
-    if bf16x2:
-        return plane_tile_bf16x2(fmt, plane, get) if asm else plane_tile_bf16x2_reference(fmt, plane, get)
+# How the tensor-core kernel dequantizes a Q4_K/Q6_K tile (`tile_math`): "f32", a float32 fma per weight, then
+# rounded to bf16 (`plane_tile_asm`); "bf16x2"/"f16x2", two weights an instruction in packed bf16/float16 arithmetic
+# (`plane_tile_pairs`), the sub-blocks' scales and mins rounded to that type first. float16 keeps 3 more significand
+# bits than bf16 but not its range: with f16x2 x enters the products scaled by 2**-F16_SHIFT and the weights by
+# 2**F16_SHIFT (exact both), so x may reach 65504 * 2**8 and the weights 2**7 (`f16_fits`, checked at `pack`).
+TILE_MATHS = ("f32", "bf16x2", "f16x2")
+PAIR_DTYPES = {"bf16x2": jnp.bfloat16, "f16x2": jnp.float16}
+F16_SHIFT = 8
+
+
+def mma_dtype(tile_math: str):
+    """The dtype of the tensor-core kernel's operands under `tile_math`."""
+    return PAIR_DTYPES.get(tile_math, jnp.bfloat16)
+
+
+def x_operand(x: jax.Array, tile_math: str) -> jax.Array:
+    """x as the tensor-core kernel multiplies it: bf16, or float16 scaled by 2**-F16_SHIFT (f16x2)."""
+    if tile_math == "f16x2":
+        return (x.astype(jnp.float32) * 2.0 ** -F16_SHIFT).astype(jnp.float16)
+    return x.astype(jnp.bfloat16)
+
+
+def plane_tile_mma(fmt: str, plane: int, get, asm: bool, tile_math: str = "f32") -> jax.Array:
+    """A Q4_K/Q6_K plane tile as the tensor-core kernel multiplies it (`tile_math`), by inline PTX (`asm`) or by
+    jnp ops that give the same values up to rounding ties: "f32" `plane_tile_asm` or `plane_tile` rounded to bf16;
+    else `plane_tile_pairs` or its emulation `plane_tile_pairs_reference`."""
+    if tile_math != "f32":
+        return (plane_tile_pairs if asm else plane_tile_pairs_reference)(fmt, plane, get, tile_math)
     return plane_tile_asm(fmt, plane, get) if asm else plane_tile(fmt, plane, get).astype(jnp.bfloat16)
 
 
-# The same in packed bf16 arithmetic, two weights an instruction (`bf16x2`): one prmt places two quant bytes under
-# 0x43 bytes, the bf16 pair (128 + q0, 128 + q1); sub.bf16x2 takes the 128 off exactly; fma.rn.bf16x2 makes
-# q * scale + neg_min with one rounding. Its scale and neg_min are rounded to bf16 per sub-block first (the float32
-# form rounds only the weight). Outputs: 2 bf16 pairs ($0-$1); inputs: the quant register(s), then the scales and
-# the neg_mins as 2 bf16 pairs each (the 4 weights of a register share one sub-block).
-_PTX_BF16X2_HEAD = """{{
+# The same in packed arithmetic, two weights an instruction: one prmt places two quant bytes under two bytes `c`,
+# the pair (B + q0, B + q1) (bf16 0x43: B = 128; float16 0x64: B = 1024, where its step is 1); sub takes B off
+# exactly; fma.rn makes q * scale + neg_min with one rounding. Outputs: 2 pairs ($0-$1); inputs: the quant
+# register(s), then the scales and the neg_mins as 2 pairs each (the 4 weights of a register share one sub-block).
+_PTX_PAIRS_HEAD = """{{
 .reg .b32 m, h, c, k, t;
-mov.b32 c, 0x43;
-mov.b32 k, 0x43004300;
+mov.b32 c, {c};
+mov.b32 k, {k};
 shr.u32 m, ${q}, {low_shift};
 and.b32 m, m, 0x0F0F0F0F;
 """
-_PTX_BF16X2_PAIRS = "".join(f"""prmt.b32 t, m, c, 0x4{2 * i + 1}4{2 * i};
-sub.rn.bf16x2 t, t, k;
-fma.rn.bf16x2 ${i}, t, ${{s{i}}}, ${{o{i}}};
+_PTX_PAIRS = "".join(f"""prmt.b32 t, m, c, 0x4{2 * i + 1}4{2 * i};
+sub.rn.{{op}} t, t, k;
+fma.rn.{{op}} ${i}, t, ${{s{i}}}, ${{o{i}}};
 """ for i in range(2)) + "}}"
+_PAIR_BIAS = {"bf16x2": ("0x43", "0x43004300"), "f16x2": ("0x64", "0x64006400")}
 
 
-def bf16x2_scales(fmt: str, plane: int, get) -> tuple[jax.Array, jax.Array]:
-    """(scale, neg_min) of a Q4_K/Q6_K plane tile's sub-blocks rounded to bf16, as `bf16x2` dequantizes with them:
-    a weight is q * scale + neg_min (Q6_K: neg_min = -32 * scale, exact)."""
+def pair_scales(fmt: str, plane: int, get, tile_math: str) -> tuple[jax.Array, jax.Array]:
+    """(scale, neg_min) of a Q4_K/Q6_K plane tile's sub-blocks in `tile_math`'s type (f16x2: times 2**F16_SHIFT), as
+    `plane_tile_pairs` dequantizes with them: a weight is q * scale + neg_min (Q6_K: neg_min = -32 * scale, exact)."""
     if fmt not in PTX_FORMATS:
-        raise ValueError(f"no bf16x2 dequantization for {fmt}")
+        raise ValueError(f"no {tile_math} dequantization for {fmt}")
+    dtype, gain = PAIR_DTYPES[tile_math], 2.0 ** F16_SHIFT if tile_math == "f16x2" else 1.0
     scale, neg_min = _ptx_scales(fmt, plane, get)
-    scale = scale.astype(jnp.bfloat16)
-    return scale, scale * -32 if neg_min is None else neg_min.astype(jnp.bfloat16)
+    scale = (scale * gain).astype(dtype)
+    return scale, scale * -32 if neg_min is None else (neg_min * gain).astype(dtype)
 
 
-def plane_tile_bf16x2_reference(fmt: str, plane: int, get) -> jax.Array:
-    """The bf16 tile `plane_tile_bf16x2` makes, by jnp ops: q * scale + neg_min in float32 (exact unless the two
-    terms' exponents are more than 10 apart: q has at most 6 significant bits, scale and neg_min 8), rounded to bf16,
-    as the PTX's fma rounds once (the two can differ by a bf16 ulp where float32 rounded first)."""
-    scale, neg_min = (a.astype(jnp.float32)[..., None] for a in bf16x2_scales(fmt, plane, get))
-    return (plane_quants(fmt, plane, get).astype(jnp.float32) * scale + neg_min).astype(jnp.bfloat16)
+def plane_tile_pairs_reference(fmt: str, plane: int, get, tile_math: str) -> jax.Array:
+    """The tile `plane_tile_pairs` makes, by jnp ops: q * scale + neg_min in float32 (exact unless the two terms'
+    exponents are far apart: q has at most 6 significant bits, scale and neg_min 8 or 11), rounded once to the pair
+    type, as the PTX's fma rounds (the two can differ by an ulp where float32 rounded first)."""
+    scale, neg_min = (a.astype(jnp.float32)[..., None] for a in pair_scales(fmt, plane, get, tile_math))
+    return (plane_quants(fmt, plane, get).astype(jnp.float32) * scale + neg_min).astype(PAIR_DTYPES[tile_math])
 
 
-def plane_tile_bf16x2(fmt: str, plane: int, get) -> jax.Array:
-    """A Q4_K/Q6_K plane tile dequantized to bf16 by inline PTX in packed bf16 arithmetic (GPU only): the
-    tensor-core kernel then takes about 1 instruction per weight fewer than with `plane_tile_asm`'s float32 fma and
-    conversion (scripts/results/qmatmul_sass_bf16x2_cpu.txt)."""
-    scale, neg_min = bf16x2_scales(fmt, plane, get)
+def plane_tile_pairs(fmt: str, plane: int, get, tile_math: str) -> jax.Array:
+    """A Q4_K/Q6_K plane tile dequantized by inline PTX in packed bf16 or float16 arithmetic (GPU only): about 1
+    instruction per weight fewer than `plane_tile_asm`'s float32 fma and conversion
+    (scripts/results/qmatmul_sass_bf16x2_cpu.txt)."""
+    scale, neg_min = pair_scales(fmt, plane, get, tile_math)
     quants, shifts, high = _ptx_quants(fmt, plane, get)
     shape = quants[0].shape
     regs = {f"{name}{i}": 2 + len(quants) + 2 * j + i for j, name in enumerate("so") for i in range(2)}
-    code = (_PTX_BF16X2_HEAD + high + _PTX_BF16X2_PAIRS).format(q=2, qh=3, **shifts, **regs)
+    c, k = _PAIR_BIAS[tile_math]
+    code = (_PTX_PAIRS_HEAD + high + _PTX_PAIRS).format(q=2, qh=3, c=c, k=k, op=tile_math, **shifts, **regs)
     args = quants + [jnp.broadcast_to(a[..., None], shape) for a in (scale, neg_min)]
     constraints = ",".join(["=r"] * 2 + ["r"] * (len(quants) + 4))
     return plt.elementwise_inline_asm(code, args=args, constraints=constraints, pack=4,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.bfloat16)])[0]
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, PAIR_DTYPES[tile_math])])[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reference
 
-def dequantize_packed(pw: PackedWeight, bf16x2: bool = False) -> jax.Array:
+def dequantize_packed(pw: PackedWeight, tile_math: str = "f32") -> jax.Array:
     """The float32 [N, K] matrix a PackedWeight stores (equal to quant.dequantize of the tensor it came from);
-    `bf16x2`: a Q4_K/Q6_K matrix as the `bf16x2` kernel dequantizes it (`plane_tile_bf16x2_reference`)."""
+    with `tile_math` "bf16x2"/"f16x2", a Q4_K/Q6_K matrix as that kernel dequantizes it (`plane_tile_pairs_reference`,
+    f16x2's 2**F16_SHIFT taken back off: exact)."""
     n, k = pw.shape
     get = lambda name, *idx: pw.data[name][(slice(None), slice(None), *idx)]  # noqa: E731
-    tile = plane_tile_bf16x2_reference if bf16x2 and pw.fmt in PTX_FORMATS else plane_tile
+    pairs = tile_math != "f32" and pw.fmt in PTX_FORMATS
+    gain = 2.0 ** -F16_SHIFT if pairs and tile_math == "f16x2" else 1.0
     out = jnp.zeros((n, k), jnp.float32)
     for plane, cols in enumerate(plane_columns(pw.fmt, k)):
-        out = out.at[:, cols].set(tile(pw.fmt, plane, get).astype(jnp.float32).reshape(n, -1))
+        tile = plane_tile_pairs_reference(pw.fmt, plane, get, tile_math) if pairs else plane_tile(pw.fmt, plane, get)
+        out = out.at[:, cols].set(tile.astype(jnp.float32).reshape(n, -1) * gain)
     return out
 
 
-def qmatmul_reference(x: jax.Array, pw: PackedWeight, bf16x2: bool = False) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32, with x rounded to bf16 as the kernel takes it (`bf16x2`: the weights as
-    that kernel dequantizes them)."""
-    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
-    return jnp.einsum("mk,nk->mn", xb, dequantize_packed(pw, bf16x2), precision=jax.lax.Precision.HIGHEST)
+def qmatmul_reference(x: jax.Array, pw: PackedWeight, tile_math: str = "f32") -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32, with x rounded as the kernel takes it (bf16; float16 with f16x2) and, with
+    `tile_math` "bf16x2"/"f16x2", the weights as that kernel dequantizes them."""
+    pairs = tile_math if tile_math != "f32" and pw.fmt in PTX_FORMATS else "f32"
+    xb = x_operand(x, pairs).astype(jnp.float32) * (2.0 ** F16_SHIFT if pairs == "f16x2" else 1.0)
+    return jnp.einsum("mk,nk->mn", xb, dequantize_packed(pw, tile_math), precision=jax.lax.Precision.HIGHEST)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -380,10 +427,27 @@ WGMMA = False
 # SASS as reading the gathered copy (scripts/qmatmul_sass.py, x_view=0/1) and one launch less a product, but the
 # DDTree-22 step was 1.09x slower with it on an H100 (scripts/results/tree_xview_h100.txt), so off
 X_VIEW = False
-# Whether the tensor-core kernel dequantizes Q4_K/Q6_K tiles in packed bf16 arithmetic (`plane_tile_bf16x2`): 6.22
-# instructions per weight instead of 7.23 for Q4_K at 23 tokens in the SASS read on a CPU
-# (scripts/results/qmatmul_sass_bf16x2_cpu.txt); not yet run or timed on a GPU, so off
-BF16X2 = False
+# Per format, how the tensor-core kernel dequantizes its tiles (`TILE_MATHS`; f32 for a weight f16x2 cannot hold).
+# f16x2: Q4_K's kernels 1.02-1.15x faster than f32 and 6x closer to the float32 product (3.0e-4 against 1.7e-3), the
+# DDTree-22 step 28.60 -> 27.89 ms, the fixture model 3.2e-3 from its float32 logits instead of 1.0e-2, on an H200
+# (scripts/results/qmatmul_f16x2_h200.txt, tree_f16x2_h200.txt). bf16x2 was as fast but twice as far (2.1e-2)
+TILE_MATH = {fmt: "f16x2" for fmt in PTX_FORMATS}
+
+
+def resolve_tile_math(tile_math: str | None, pw: PackedWeight) -> str:
+    """The tile arithmetic a tensor-core product of `pw` runs: the one asked for, else the format's `TILE_MATH`
+    (f32 where f16x2 would not fit the weight); a weight f16x2 cannot hold is refused when asked for by name."""
+    if tile_math is not None and tile_math not in TILE_MATHS:
+        raise ValueError(f"tile_math is one of {TILE_MATHS}, got {tile_math!r}")
+    if pw.fmt not in PTX_FORMATS:
+        return "f32"
+    if tile_math is None:
+        tile_math = TILE_MATH.get(pw.fmt, "f32")
+        return "f32" if tile_math == "f16x2" and not pw.f16_ok else tile_math
+    if tile_math == "f16x2" and not pw.f16_ok:
+        raise ValueError(f"this {pw.fmt} weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take another "
+                         "tile_math")
+    return tile_math
 
 
 def int8_x_mode(int8_x: int, gemv: bool, fmt: str) -> int:
@@ -459,7 +523,7 @@ def tile_reader(w: dict, r0, row_ok: jax.Array, block_n: int, start, step: int, 
 def _step_tiles(fmt: str, n_planes: int, get, x_tile) -> dict[str, jax.Array]:
     """One K step's loads: every field tile `plane_tile` reads for `n_planes` planes, each loaded once, and each
     plane's activations (`x_tile(plane)`), keyed as `_from_tiles` reads them. plane_tile runs here only for its
-    reads (its arithmetic has no use and the compiler drops it); `plane_tile_bf16` reads the same fields."""
+    reads (its arithmetic has no use and the compiler drops it); `plane_tile_mma` reads the same fields."""
     tiles = {}
 
     def load(name, *idx):
@@ -528,7 +592,7 @@ def x_reader(x_ref, m: int, m_pad: int, x_view: bool, start, cols: int):
 
 
 def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
-            prefetch: int, wgmma: bool, m: int, m_pad: int, x_view: bool, bf16x2: bool, *refs):
+            prefetch: int, wgmma: bool, m: int, m_pad: int, x_view: bool, tile_math: str, *refs):
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
@@ -546,7 +610,7 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
             if fmt == "BF16":  # a plain 2-D tile: measured twice as fast as the same bytes through a 3-D one
                 tile = get("w")
             elif fmt in PTX_FORMATS:
-                tile = plane_tile_bf16(fmt, plane, get, asm, bf16x2).reshape(block_n, -1)
+                tile = plane_tile_mma(fmt, plane, get, asm, tile_math).reshape(block_n, -1)
             else:
                 tile = plane_tile(fmt, plane, get).reshape(block_n, -1).astype(jnp.bfloat16)
             operands = (tile, x_tile(plane)) if wgmma else (x_tile(plane), tile)
@@ -586,16 +650,17 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
-                                             "asm", "prefetch", "int8_x", "int8_mma", "wgmma", "x_view", "bf16x2",
+                                             "asm", "prefetch", "int8_x", "int8_mma", "wgmma", "x_view", "tile_math",
                                              "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
             splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, asm: bool | None = None, prefetch: int | None = None, int8_x: int | None = None,
             int8_mma: bool | None = None, wgmma: bool | None = None, x_view: bool | None = None,
-            bf16x2: bool | None = None, interpret: bool = False) -> jax.Array:
+            tile_math: str | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
-    (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. Both round x to bf16; the
-    GEMV keeps the dequantized weights in float32, the tensor-core kernel rounds them to bf16. `asm` makes Q4_K/Q6_K
+    (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. The GEMV rounds x to bf16 and
+    keeps the dequantized weights in float32; the tensor-core kernel multiplies bf16 x and weights, or float16 ones
+    for Q4_K/Q6_K under f16x2 (`tile_math`). `asm` makes Q4_K/Q6_K
     tiles with inline PTX (`plane_tile_asm`; GPU only), `prefetch` loads K steps ahead of the one computed
     (`_k_loop`); their defaults are `ASM` (on a GPU) and `PREFETCH`, by kernel. `int8_x` (default `INT8_X`) makes
     the GEMV of a Q4_K/Q6_K weight quantize x to int8 per weight group and multiply by dp4a (gemv_int8.py): 1 with x
@@ -607,9 +672,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     `num_stages` (default `default_stages`) is Triton's software pipeline depth over the K loop. `x_view` (default
     `X_VIEW`) makes the tensor-core kernel read each plane's columns of x from a reshape of it (`plane_view`) and
     mask the rows past M, instead of from a copy gathered and padded by XLA before it (one launch less a product;
-    slower on an H100). `bf16x2` (default `BF16X2`) makes the tensor-core kernel dequantize Q4_K/Q6_K tiles in
-    packed bf16 arithmetic, scales rounded to bf16 per sub-block (`plane_tile_bf16x2`; its jnp emulation without
-    `asm`)."""
+    slower on an H100). `tile_math` (default: the format's `TILE_MATH`, f32 where the weight
+    does not fit f16x2) is how the tensor-core kernel dequantizes Q4_K/Q6_K tiles: "f32", "bf16x2" or "f16x2"
+    (`plane_tile_mma`; f16x2 also multiplies x in float16)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -634,7 +699,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
                                  asm=asm, prefetch=prefetch, interpret=interpret)
     m_pad = 1 if gemv else dot_tile(m)
     wgmma = WGMMA if wgmma is None else wgmma
-    bf16x2 = BF16X2 if bf16x2 is None else bf16x2
+    tile_math = "f32" if gemv else resolve_tile_math(tile_math, pw)
     num_stages = num_stages or default_stages(m_pad, pw.fmt, gemv, wgmma)
     int8_x = int8_x_mode(INT8_X if int8_x is None else int8_x, gemv, pw.fmt)
     block_n, columns, num_warps = kernel_tiles(m, n, pw.fmt, gemv, block_n, columns, num_warps, int8_x)
@@ -646,9 +711,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     step, steps, splits = k_steps(pw.fmt, n, k, block_n, columns, splits, target=2048 if gemv else 1024)
     x_view = (X_VIEW if x_view is None else x_view) and not gemv
     if x_view:
-        xp = plane_view(pw.fmt, x.astype(jnp.bfloat16))
+        xp = plane_view(pw.fmt, x_operand(x, tile_math))
     else:
-        xb = jnp.zeros((m_pad, k), jnp.bfloat16).at[:m].set(x.astype(jnp.bfloat16))
+        xb = jnp.zeros((m_pad, k), mma_dtype(tile_math)).at[:m].set(x_operand(x, tile_math))
         xp = xb[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)  # [planes, M, K / planes] in each plane's order
     if gemv:
         xp = xp.astype(jnp.float32).reshape((xp.shape[0], -1) + UNIT_SHAPE[pw.fmt])
@@ -658,7 +723,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         functools.partial(_gemv_kernel, pw.fmt, n, step, steps, block_n, names, asm and pw.fmt in PTX_FORMATS,
                           prefetch) if gemv else
         functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch, wgmma, m, m_pad, x_view,
-                          bf16x2),
+                          tile_math),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -4,8 +4,9 @@ build).
     python scripts/ar_variants.py --out ar_variants.json --variants shipped gemv_asm=1 gemv_asm=1,gemv_prefetch=1
     python scripts/ar_variants.py --out tree.json --mode ddtree --variants shipped mma_stages_q4_k=3
 
-A variant is `KEY=INT,...` over qmatmul's defaults (keys: gemv_asm, gemv_prefetch, mma_asm, mma_prefetch, int8_x,
-int8_block_n, int8_columns, int8_warps, mma_stages_<format>, mma_x_view, mma_bf16x2; `shipped` for none). Each
+A variant is `KEY=VALUE,...` over qmatmul's defaults (keys: gemv_asm, gemv_prefetch, mma_asm, mma_prefetch, int8_x,
+int8_block_n, int8_columns, int8_warps, mma_stages_<format>, mma_x_view, mma_tile_math_<format> (f32, bf16x2, f16x2);
+`shipped` for none). Each
 variant's step is compiled once, ahead of time, under its options (jax's caches cleared first, so the kernels are
 traced again), and kept; then each round runs every variant in turn: an engine (`--mode`: ar, or ddtree at
 `--budget`, whose verify multiplies budget + 1 tokens whatever the random drafter proposes) generates `--n_gen`
@@ -51,11 +52,12 @@ SETTERS = {**{f"{kernel}_asm": (lambda v, k=kernel: qm.ASM.__setitem__(k, bool(v
            **{f"mma_stages_{fmt.lower()}": (lambda v, f=fmt: qm.MMA_STAGES.__setitem__(f, v))
               for fmt in qm.PACKED_FORMATS},
            "mma_x_view": lambda v: setattr(qm, "X_VIEW", bool(v)),
-           "mma_bf16x2": lambda v: setattr(qm, "BF16X2", bool(v))}
+           **{f"mma_tile_math_{fmt.lower()}": (lambda v, f=fmt: qm.TILE_MATH.__setitem__(f, v))
+              for fmt in qm.TILE_MATH}}
 
 
 def options(spec: str) -> dict[str, int]:
-    """KEY=INT options of a variant spec (`shipped`: none)."""
+    """KEY=VALUE options of a variant spec (`shipped`: none)."""
     opts = {} if spec == "shipped" else parse_options(spec)
     unknown = set(opts) - set(SETTERS)
     if unknown:
@@ -123,7 +125,7 @@ def main() -> None:
             first[spec] = dict(compile_s=time.perf_counter() - t0, parts_at=first_difference(tokens, first_tokens),
                                asm=dict(qm.ASM), prefetch=dict(qm.PREFETCH), int8_x=qm.INT8_X,
                                int8_tiles=qm.GEMV_INT8_TILES, mma_stages=dict(qm.MMA_STAGES),
-                               x_view=qm.X_VIEW, bf16x2=qm.BF16X2)
+                               x_view=qm.X_VIEW, tile_math=dict(qm.TILE_MATH))
             log(f"{spec:32s} compiled and run once in {first[spec]['compile_s']:.0f} s")
     finally:
         set_qmatmul_defaults(shipped)

@@ -45,7 +45,7 @@ from dflash_jax.models.target import Block  # noqa: E402
 from dflash_jax.models.target import _conv_index as conv_index  # noqa: E402
 from dflash_jax.quant import FORMATS, dequantize  # noqa: E402
 from dflash_jax.testing.gguf_writer import q4_k_m_rule  # noqa: E402
-from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
+from dflash_jax.testing.synthetic import random_matrix  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
@@ -73,9 +73,12 @@ MIN_BYTES = 512 * 2**20  # stream at least this much per timed call (H100 L2: 50
 
 
 def _copies(fmt: str, n: int, k: int):
-    one = random_qtensor(jax.random.key(0), fmt, (n, k))
+    """Enough random copies of an [n, k] weight to stream MIN_BYTES, with entries of about 1/sqrt(k) as a model's
+    (random_matrix; float16 holds their scales for f16x2 tiles, where unit-scale random Q6_K scales overflow it)."""
+    std = {}
+    one = random_matrix(jax.random.key(0), fmt, (n, k), std)
     reps = max(2, min(64, math.ceil(MIN_BYTES / one.nbytes)))
-    return [random_qtensor(jax.random.key(i), fmt, (n, k)) for i in range(reps)], one.nbytes
+    return [random_matrix(jax.random.key(i), fmt, (n, k), std) for i in range(reps)], one.nbytes
 
 
 def _times(run, x, weights, gguf_bytes: int, copy: float) -> dict:
@@ -281,7 +284,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", help="matrices to run, as NAME:FMT (e.g. ffn_down:Q6_K)")
     ap.add_argument("--tiles", nargs="+", default=[], metavar="BN:COLS:WARPS",
                     help="also time qmatmul with these tiles (rows of W, columns per step, warps)")
-    ap.add_argument("--variants", nargs="+", default=[], type=parse_options, metavar="KEY=INT,...",
+    ap.add_argument("--variants", nargs="+", default=[], type=parse_options, metavar="KEY=VALUE,...",
                     help="also time qmatmul with these options (e.g. prefetch=1 m=1,prefetch=1,block_n=16; "
                          "m=M times that variant at M tokens only)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 # qmatmul's module-level kernel choices and tiles, which a benchmark may change for one run
 QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
-                    "X_VIEW", "BF16X2", "qmatmul")
+                    "X_VIEW", "TILE_MATH", "qmatmul")
 
 
 def qmatmul_defaults() -> dict:
@@ -90,9 +90,11 @@ def kernel_seconds(fn, *args, calls: int = 3) -> float:
     return sum(d for _, _, d in traced_gpu_events(fn, *args, calls=calls)) / 1e9 / calls
 
 
-def parse_options(text: str) -> dict[str, int]:
-    """`KEY=INT,KEY=INT` (e.g. `prefetch=1,block_n=16`) as a dict; an empty string gives {}."""
-    return {key: int(value) for key, value in (item.split("=") for item in text.split(",") if item)}
+def parse_options(text: str) -> dict[str, int | str]:
+    """`KEY=VALUE,KEY=VALUE` (e.g. `prefetch=1,tile_math=f16x2`) as a dict, integers where they parse; an empty
+    string gives {}."""
+    return {key: int(value) if value.lstrip("-").isdigit() else value
+            for key, value in (item.split("=") for item in text.split(",") if item)}
 
 
 def environment() -> dict:

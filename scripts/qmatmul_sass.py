@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="text table")
     ap.add_argument("--cases", nargs="+", default=CASES, metavar="FMT:N:K:M")
     ap.add_argument("--variants", nargs="+", default=[parse_options(v) for v in VARIANTS], type=parse_options,
-                    metavar="KEY=INT,...", help="qmatmul options per row (as bench_kernels.py --variants: m=M keeps "
+                    metavar="KEY=VALUE,...", help="qmatmul options per row (as bench_kernels.py --variants: m=M keeps "
                                                 "one to M tokens)")
     ap.add_argument("--allocs", action="store_true",
                     help="also list each kernel's shared memory buffers (pipeline stages x tile) from its TTGIR")

@@ -1,6 +1,8 @@
 """The fused dequantize + matmul kernel: packed layout exact against the GGUF dequantizers, the Pallas kernel
 (interpret mode on CPU, compiled with -m gpu) against its jnp reference, and the model under impl="pallas"."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,14 @@ from pallas_kernels.gemv_int8 import gemv_int8_reference
 
 ON_GPU = jax.default_backend() == "gpu"
 BF16_TILES = 4e-3  # the tensor-core kernel rounds each dequantized weight to bf16
+BF16X2_TILES = 8e-3  # bf16x2 also rounds each sub-block's scale and min to bf16: errors shared by 32 weights
+
+
+def tiles_tol(fmt: str, tile_math: str | None = None) -> float:
+    """How far the tensor-core kernel may be from the float32 reference (x in bf16) for `fmt`, under `tile_math`
+    (None: the format's default). f16x2's float16 x and weights are finer than the reference's bf16 x."""
+    tile_math = qm.TILE_MATH.get(fmt, "f32") if tile_math is None else tile_math
+    return BF16X2_TILES if tile_math == "bf16x2" and fmt in qm.PTX_FORMATS else BF16_TILES
 
 
 def rel(a, b):
@@ -24,8 +34,8 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def weight(fmt, n, k, seed=0):
-    return random_qtensor(jax.random.key(seed), fmt, (n, k), scale=0.5)
+def weight(fmt, n, k, seed=0, scale=0.5):
+    return random_qtensor(jax.random.key(seed), fmt, (n, k), scale=scale)
 
 
 @pytest.mark.parametrize("fmt", qm.QUANTIZED_FORMATS)
@@ -61,7 +71,7 @@ def test_kernel_matches_reference(fmt, n, k, m):
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     got = qm.qmatmul(x, pw, interpret=not ON_GPU)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
-    assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
+    assert rel(got, qm.qmatmul_reference(x, pw)) < tiles_tol(fmt)
 
 
 @pytest.mark.parametrize("fmt,n,k", [("Q4_K", 6, 512), ("Q5_K", 40, 512), ("Q6_K", 17, 1024), ("Q8_0", 33, 128),
@@ -76,7 +86,7 @@ def test_one_token_takes_the_float32_gemv(fmt, n, k):
     assert rel(qm.qmatmul(x, pw, int8_x=0, interpret=not ON_GPU), ref) < 1e-5
     assert rel(qm.qmatmul(x, pw, splits=2, columns=64, int8_x=0, interpret=not ON_GPU), ref) < 1e-5
     mma = rel(qm.qmatmul(x, pw, gemv=False, interpret=not ON_GPU), ref)
-    assert mma < BF16_TILES and (fmt == "BF16" or mma > 1e-5)  # bf16 weights lose nothing to the rounding
+    assert mma < tiles_tol(fmt) and (fmt == "BF16" or mma > 1e-5)  # bf16 weights lose nothing to the rounding
     with pytest.raises(ValueError, match="one row"):
         qm.qmatmul(jnp.ones((2, k)), pw, gemv=True, interpret=True)
 
@@ -87,7 +97,7 @@ def test_tiles_of_every_width_agree():
     ref = qm.qmatmul_reference(x, pw)
     for block_n, columns in ((16, 256), (32, 512), (64, 1024)):
         got = qm.qmatmul(x, pw, block_n=block_n, columns=columns, interpret=not ON_GPU)
-        assert rel(got, ref) < BF16_TILES, (block_n, columns)
+        assert rel(got, ref) < tiles_tol("Q4_K"), (block_n, columns)
 
 
 @pytest.mark.parametrize("fmt,n,k,m", [("Q4_K", 70, 512, 23), ("Q6_K", 40, 1024, 5), ("Q5_K", 64, 512, 33),
@@ -99,7 +109,7 @@ def test_weight_rows_first_is_the_same_product(fmt, n, k, m):
     x = jax.random.normal(jax.random.key(k), (m, k), jnp.float32)
     first = qm.qmatmul(x, pw, wgmma=True, interpret=True)
     assert first.shape == (m, n) and rel(first, qm.qmatmul(x, pw, wgmma=False, interpret=True)) < 1e-6
-    assert rel(first, qm.qmatmul_reference(x, pw)) < BF16_TILES
+    assert rel(first, qm.qmatmul_reference(x, pw)) < tiles_tol(fmt)
 
 
 @pytest.mark.parametrize("fmt,m", [("Q4_K", 23), ("Q5_K", 16), ("Q6_K", 5), ("Q8_0", 2), ("BF16", 17)])
@@ -118,23 +128,46 @@ def test_x_read_through_a_view_is_the_same_product(fmt, m):
         assert bool(jnp.array_equal(plane, x[:, c]))
 
 
+@pytest.mark.parametrize("tile_math", ["bf16x2", "f16x2"])
 @pytest.mark.parametrize("fmt,m", [("Q4_K", 23), ("Q6_K", 3), ("Q5_K", 5)])
-def test_bf16x2_dequantization(fmt, m):
-    """bf16x2 dequantizes Q4_K/Q6_K tiles as q * scale + neg_min with scale and neg_min rounded to bf16: within bf16
-    rounding of the float32 weights, and the kernel (its jnp emulation in interpret mode) gives that reference's
-    product; other formats are not affected."""
+def test_paired_dequantization(fmt, m, tile_math):
+    """bf16x2/f16x2 dequantize Q4_K/Q6_K tiles as q * scale + neg_min with scale and neg_min rounded to the pair
+    type: within that type's rounding of the float32 weights (f16x2: 8 times finer), and the kernel (its jnp
+    emulation in interpret mode) gives that reference's product; other formats are not affected."""
     k = 512
-    pw = qm.pack(weight(fmt, 24, k, seed=m))
+    pw = qm.pack(weight(fmt, 24, k, seed=m, scale=1e-3))  # scales a model has: f16x2 holds them (`f16_fits`)
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
-    got = qm.qmatmul(x, pw, bf16x2=True, interpret=True)
-    assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
-    w, w2 = qm.dequantize_packed(pw), qm.dequantize_packed(pw, bf16x2=True)
+    got = qm.qmatmul(x, pw, tile_math=tile_math, interpret=True)
+    assert rel(got, qm.qmatmul_reference(x, pw)) < tiles_tol(fmt, tile_math)
+    w, w2 = qm.dequantize_packed(pw), qm.dequantize_packed(pw, tile_math)
     if fmt in qm.PTX_FORMATS:
-        assert rel(got, qm.qmatmul_reference(x, pw, bf16x2=True)) < 1e-5
-        assert 0 < rel(w2, w) < 4e-3
+        assert rel(got, qm.qmatmul_reference(x, pw, tile_math)) < 1e-5
+        assert 0 < rel(w2, w) < (4e-3 if tile_math == "bf16x2" else 5e-4)
     else:
         assert bool(jnp.array_equal(w2, w))
-        assert bool(jnp.array_equal(got, qm.qmatmul(x, pw, bf16x2=False, interpret=True)))
+        assert bool(jnp.array_equal(got, qm.qmatmul(x, pw, tile_math="f32", interpret=True)))
+
+
+def test_f16x2_keeps_x_range_and_refuses_weights_it_cannot_hold(monkeypatch):
+    """f16x2 multiplies x in float16 scaled by 2**-8: x of 1e6 (past float16's 65504) still gives the product; a
+    weight whose scales float16 cannot hold at 2**8 is marked at pack, falls back to f32 tiles by default and is
+    refused when f16x2 is asked for."""
+    pw = qm.pack(weight("Q4_K", 16, 256, seed=3, scale=1e-3))
+    assert pw.f16_ok and not qm.pack(weight("Q5_K", 16, 256, scale=1e-3)).f16_ok
+    x = jax.random.normal(jax.random.key(3), (4, 256), jnp.float32) * 1e6
+    got = qm.qmatmul(x, pw, tile_math="f16x2", interpret=True)
+    assert rel(got, qm.qmatmul_reference(x, pw, "f16x2")) < 1e-5
+    assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
+    big = weight("Q4_K", 16, 256, seed=3, scale=1e-3)
+    big = dataclasses.replace(big, data={**big.data, "d": big.data["d"].at[0, 0].set(100.0)})  # one super-block
+    pw_big = qm.pack(big)
+    assert not pw_big.f16_ok
+    monkeypatch.setitem(qm.TILE_MATH, "Q4_K", "f16x2")
+    assert qm.resolve_tile_math(None, pw) == "f16x2" and qm.resolve_tile_math(None, pw_big) == "f32"
+    with pytest.raises(ValueError, match="does not fit float16"):
+        qm.qmatmul(x, pw_big, tile_math="f16x2", interpret=True)
+    with pytest.raises(ValueError, match="tile_math is one of"):
+        qm.qmatmul(x, pw, tile_math="f8", interpret=True)
 
 
 def test_k_splits_agree():
@@ -144,7 +177,7 @@ def test_k_splits_agree():
     x = jax.random.normal(jax.random.key(2), (2, 1024), jnp.float32)
     ref = qm.qmatmul_reference(x, pw)
     for splits in (1, 2, 4):
-        assert rel(qm.qmatmul(x, pw, columns=256, splits=splits, interpret=not ON_GPU), ref) < BF16_TILES, splits
+        assert rel(qm.qmatmul(x, pw, columns=256, splits=splits, interpret=not ON_GPU), ref) < tiles_tol("Q6_K"), splits
     with pytest.raises(ValueError, match="do not split 3 ways"):
         qm.qmatmul(x, pw, columns=256, splits=3, interpret=True)
 
@@ -156,7 +189,7 @@ def test_prefetched_k_steps_agree(fmt, m):
     pw = qm.pack(weight(fmt, 24, 1024, seed=7))
     x = jax.random.normal(jax.random.key(7), (m, 1024), jnp.float32)
     ref = qm.qmatmul_reference(x, pw)
-    tol = 1e-5 if m == 1 else BF16_TILES
+    tol = 1e-5 if m == 1 else tiles_tol(fmt)
     for prefetch, splits in ((0, 1), (1, 1), (2, 2), (5, 1)):  # 4 K steps of 256 columns
         got = qm.qmatmul(x, pw, columns=256, splits=splits, prefetch=prefetch, int8_x=0, interpret=not ON_GPU)
         assert rel(got, ref) < tol, (prefetch, splits)
@@ -168,13 +201,15 @@ def test_prefetched_k_steps_agree(fmt, m):
 def test_gpu_variants_lower_to_triton(fmt):
     """What runs only on a GPU (the inline PTX tiles, prefetching in the compiled kernel) lowers to Triton IR here
     too: lowering for CUDA needs no GPU, so an op the Triton lowering lacks fails on a CPU, not first on the device."""
-    pw = qm.pack(weight(fmt, 64, 1024))
-    for m, prefetch, wgmma, x_view, bf16x2 in ((1, 0, False, True, False), (1, 2, False, True, False),
-                                               (23, 0, False, True, False), (23, 1, False, True, False),
-                                               (23, 0, True, True, False), (23, 0, False, False, False),
-                                               (23, 0, False, False, True), (23, 1, False, False, True)):
+    pw = qm.pack(weight(fmt, 64, 1024, scale=1e-3))
+    for m, prefetch, wgmma, x_view, tile_math in ((1, 0, False, True, "f32"), (1, 2, False, True, "f32"),
+                                                  (23, 0, False, True, "f32"), (23, 1, False, True, "f32"),
+                                                  (23, 0, True, True, "f32"), (23, 0, False, False, "f32"),
+                                                  (23, 0, False, False, "bf16x2"), (23, 1, False, False, "bf16x2"),
+                                                  (23, 0, False, False, "f16x2"), (23, 0, False, True, "f16x2")):
+        tile_math = tile_math if fmt in qm.PTX_FORMATS else None
         run = jax.jit(lambda x, w: qm.qmatmul(x, w, prefetch=prefetch, asm=fmt in qm.PTX_FORMATS, wgmma=wgmma,
-                                              x_view=x_view, bf16x2=bf16x2))
+                                              x_view=x_view, tile_math=tile_math))
         hlo = run.trace(jnp.ones((m, 1024), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in hlo, (m, prefetch)
 
@@ -223,7 +258,7 @@ def test_linear_splits_long_inputs_and_keeps_leading_axes():
     x = jax.random.normal(jax.random.key(5), (2, 35, 256), jnp.float32)  # 70 rows: two calls of <= 64
     got = kernels.linear(x, pw)
     assert got.shape == (2, 35, 24)
-    assert rel(got, kernels.linear(x.astype(jnp.bfloat16).astype(jnp.float32), qt)) < BF16_TILES
+    assert rel(got, kernels.linear(x.astype(jnp.bfloat16).astype(jnp.float32), qt)) < tiles_tol("Q6_K")
     assert kernels.prepare_matrix(qt, "reference") is qt
 
 
@@ -245,7 +280,7 @@ def test_kernel_at_27b_shapes(fmt, n, k, m):
     if qm.int8_x_mode(qm.INT8_X, m == 1, fmt):  # one token of Q4_K/Q6_K: x quantized to int8 by default
         assert rel(got, gemv_int8_reference(x, pw)) < 1e-5
     else:
-        assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
+        assert rel(got, qm.qmatmul_reference(x, pw)) < tiles_tol(fmt)
 
 
 @pytest.mark.gpu
@@ -255,21 +290,22 @@ def test_weight_rows_first_at_27b_shapes(fmt, n, k, m):
     """The tensor-core kernel with the weight rows first (wgmma), compiled, against the reference."""
     pw = qm.pack(weight(fmt, n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
-    assert rel(qm.qmatmul(x, pw, wgmma=True), qm.qmatmul_reference(x, pw)) < BF16_TILES
+    assert rel(qm.qmatmul(x, pw, wgmma=True), qm.qmatmul_reference(x, pw)) < tiles_tol(fmt)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,n,k", REAL[:3])
 @pytest.mark.parametrize("m", [16, 23])
-def test_bf16x2_at_27b_shapes(fmt, n, k, m):
-    """The bf16x2 inline PTX, compiled, against its jnp reference (same weights to the bit but for fma's rounding
-    ties, so the products agree to float32 summation order) and within bf16 rounding of the float32 reference."""
-    pw = qm.pack(weight(fmt, n, k, seed=m))
+@pytest.mark.parametrize("tile_math", ["bf16x2", "f16x2"])
+def test_paired_tiles_at_27b_shapes(fmt, n, k, m, tile_math):
+    """The bf16x2/f16x2 inline PTX, compiled, against its jnp reference (same weights to the bit but for fma's
+    rounding ties, so the products agree to float32 summation order) and against the float32 reference."""
+    pw = qm.pack(weight(fmt, n, k, seed=m, scale=1e-3))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
-    got = qm.qmatmul(x, pw, bf16x2=True)
+    got = qm.qmatmul(x, pw, tile_math=tile_math if fmt in qm.PTX_FORMATS else None)
     if fmt in qm.PTX_FORMATS:
-        assert rel(got, qm.qmatmul_reference(x, pw, bf16x2=True)) < 1e-4
-    assert rel(got, qm.qmatmul_reference(x, pw)) < BF16_TILES
+        assert rel(got, qm.qmatmul_reference(x, pw, tile_math)) < 1e-4
+    assert rel(got, qm.qmatmul_reference(x, pw)) < tiles_tol(fmt, tile_math)
 
 
 @pytest.mark.gpu
@@ -278,7 +314,7 @@ def test_x_read_through_a_view_at_27b_shapes(fmt, n, k):
     """The tensor-core kernel reading x through plane_view (rows past M masked), compiled, against the reference."""
     pw = qm.pack(weight(fmt, n, k, seed=23))
     x = jax.random.normal(jax.random.key(23), (23, k), jnp.float32)
-    assert rel(qm.qmatmul(x, pw, x_view=True), qm.qmatmul_reference(x, pw)) < BF16_TILES
+    assert rel(qm.qmatmul(x, pw, x_view=True), qm.qmatmul_reference(x, pw)) < tiles_tol(fmt)
 
 
 @pytest.mark.gpu
@@ -288,7 +324,7 @@ def test_prefetch_at_27b_shapes(fmt, n, k, m, prefetch):
     pw = qm.pack(weight(fmt, n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     got = qm.qmatmul(x, pw, prefetch=prefetch, int8_x=0)
-    assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-4 if m == 1 else BF16_TILES)  # GEMV: float32 weights
+    assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-4 if m == 1 else tiles_tol(fmt))  # GEMV: float32 weights
 
 
 @pytest.mark.gpu
@@ -301,7 +337,7 @@ def test_inline_ptx_tiles_match_their_float32_form(fmt, m):
     x = jax.random.normal(jax.random.key(m), (m, 1024), jnp.float32)
     got, emulated = qm.qmatmul(x, pw, asm=True, int8_x=0), qm.qmatmul(x, pw, asm=False, int8_x=0)
     assert rel(got, emulated) < (1e-5 if m == 1 else 1e-4)  # float32 rounding may differ (before the bf16 one)
-    assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-5 if m == 1 else BF16_TILES)
+    assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-5 if m == 1 else tiles_tol(fmt))
 
 
 def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path):
@@ -313,5 +349,7 @@ def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path):
     ids = np.load(TINY / "tokens.npy")
     logits = np.concatenate([np.asarray(lg) for _, lg, _, _ in prefill_chunks(
         model.params, model.config, init_state(model.config, 160), ids, all_logits=True, impl=model.impl)])
-    assert rel(logits, refs["hf_q_logits"]) < 2e-2  # bf16 activations and tiles against a float32 reference
+    # float16 x and tiles (f16x2, the Q4_K/Q6_K default) and bf16 elsewhere against a float32 reference: 3.2e-3
+    # measured, 1.0e-2 with the float32-then-bf16 tiles (scripts/results/tile_math_accuracy_cpu.txt)
+    assert rel(logits, refs["hf_q_logits"]) < 8e-3
     assert np.mean(logits.argmax(-1) == refs["hf_q_logits"].argmax(-1)) > 0.95
