@@ -114,13 +114,17 @@ def f16_fits(fmt: str, data: dict[str, jax.Array]) -> bool:
     q * scale and neg_min stays under 2**15 (float16 holds 65504); False for other formats and for traced arrays."""
     if fmt not in PTX_FORMATS or any(isinstance(a, jax.core.Tracer) for a in data.values()):
         return False
-    per_block = lambda name: jnp.abs(data[name].astype(jnp.float32)).reshape(data["d"].shape + (-1,))  # noqa: E731
-    per_super = lambda name: jnp.abs(data[name].astype(jnp.float32))[..., None]  # noqa: E731
-    if fmt == "Q6_K":  # (q - 32) * scale with q < 64: |q * scale| + |32 * scale| <= 95 |scale|
-        bound = (95 * per_super("d") * per_block("sc")).max()
-    else:  # q < 16
-        bound = (15 * per_super("d") * per_block("sc") + per_super("dmin") * per_block("mn")).max()
-    return bool(bound * 2 ** F16_SHIFT < 2 ** 15)
+    q_max, bound = 63 if fmt == "Q6_K" else 15, jnp.float32(0)
+    for plane in range(N_PLANES[fmt]):
+        scale, neg_min = _ptx_scales(fmt, plane, whole_rows(data))
+        neg_min = 32 * scale if neg_min is None else neg_min  # Q6_K: (q - 32) * scale
+        bound = jnp.maximum(bound, (q_max * jnp.abs(scale) + jnp.abs(neg_min)).max())
+    return bool(bound * weight_gain("f16x2") < 2 ** 15)
+
+
+def whole_rows(data: dict[str, jax.Array]):
+    """`get(name, *index)` (as `plane_tile` reads fields) over every row and unit of a PackedWeight's arrays."""
+    return lambda name, *idx: data[name][(slice(None), slice(None), *idx)]
 
 
 def plane_columns(fmt: str, k: int) -> np.ndarray:
@@ -263,10 +267,15 @@ def mma_dtype(tile_math: str):
     return PAIR_DTYPES.get(tile_math, jnp.bfloat16)
 
 
+def weight_gain(tile_math: str) -> float:
+    """What `tile_math` scales the weights by (and x by its inverse): 2**F16_SHIFT for f16x2, else 1."""
+    return 2.0 ** F16_SHIFT if tile_math == "f16x2" else 1.0
+
+
 def x_operand(x: jax.Array, tile_math: str) -> jax.Array:
     """x as the tensor-core kernel multiplies it: bf16, or float16 scaled by 2**-F16_SHIFT (f16x2)."""
     if tile_math == "f16x2":
-        return (x.astype(jnp.float32) * 2.0 ** -F16_SHIFT).astype(jnp.float16)
+        return (x.astype(jnp.float32) / weight_gain(tile_math)).astype(jnp.float16)
     return x.astype(jnp.bfloat16)
 
 
@@ -302,7 +311,7 @@ def pair_scales(fmt: str, plane: int, get, tile_math: str) -> tuple[jax.Array, j
     `plane_tile_pairs` dequantizes with them: a weight is q * scale + neg_min (Q6_K: neg_min = -32 * scale, exact)."""
     if fmt not in PTX_FORMATS:
         raise ValueError(f"no {tile_math} dequantization for {fmt}")
-    dtype, gain = PAIR_DTYPES[tile_math], 2.0 ** F16_SHIFT if tile_math == "f16x2" else 1.0
+    dtype, gain = PAIR_DTYPES[tile_math], weight_gain(tile_math)
     scale, neg_min = _ptx_scales(fmt, plane, get)
     scale = (scale * gain).astype(dtype)
     return scale, scale * -32 if neg_min is None else (neg_min * gain).astype(dtype)
@@ -340,21 +349,20 @@ def dequantize_packed(pw: PackedWeight, tile_math: str = "f32") -> jax.Array:
     with `tile_math` "bf16x2"/"f16x2", a Q4_K/Q6_K matrix as that kernel dequantizes it (`plane_tile_pairs_reference`,
     f16x2's 2**F16_SHIFT taken back off: exact)."""
     n, k = pw.shape
-    get = lambda name, *idx: pw.data[name][(slice(None), slice(None), *idx)]  # noqa: E731
-    pairs = tile_math != "f32" and pw.fmt in PTX_FORMATS
-    gain = 2.0 ** -F16_SHIFT if pairs and tile_math == "f16x2" else 1.0
+    get, tile_math = whole_rows(pw.data), tile_math if pw.fmt in PTX_FORMATS else "f32"
     out = jnp.zeros((n, k), jnp.float32)
     for plane, cols in enumerate(plane_columns(pw.fmt, k)):
-        tile = plane_tile_pairs_reference(pw.fmt, plane, get, tile_math) if pairs else plane_tile(pw.fmt, plane, get)
-        out = out.at[:, cols].set(tile.astype(jnp.float32).reshape(n, -1) * gain)
+        tile = (plane_tile(pw.fmt, plane, get) if tile_math == "f32" else
+                plane_tile_pairs_reference(pw.fmt, plane, get, tile_math))
+        out = out.at[:, cols].set(tile.astype(jnp.float32).reshape(n, -1) / weight_gain(tile_math))
     return out
 
 
 def qmatmul_reference(x: jax.Array, pw: PackedWeight, tile_math: str = "f32") -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32, with x rounded as the kernel takes it (bf16; float16 with f16x2) and, with
     `tile_math` "bf16x2"/"f16x2", the weights as that kernel dequantizes them."""
-    pairs = tile_math if tile_math != "f32" and pw.fmt in PTX_FORMATS else "f32"
-    xb = x_operand(x, pairs).astype(jnp.float32) * (2.0 ** F16_SHIFT if pairs == "f16x2" else 1.0)
+    x_math = tile_math if pw.fmt in PTX_FORMATS else "f32"
+    xb = x_operand(x, x_math).astype(jnp.float32) * weight_gain(x_math)
     return jnp.einsum("mk,nk->mn", xb, dequantize_packed(pw, tile_math), precision=jax.lax.Precision.HIGHEST)
 
 
