@@ -147,6 +147,48 @@ def test_rows_probe_kernels_match_the_reference():
     qmatmul_rows_probe.check()
 
 
+def test_mgpu_probe_reference_is_q4k_from_its_fields():
+    """scripts/mgpu_probe.py's `codes` layout (quants stored as q - 8, 6-bit scales and mins, d and dmin per
+    256 columns) multiplies as Q4_K's d sc q - dmin m, computed here from the fields directly."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mgpu_probe
+
+    n, k = 64, 512
+    w, x, (codes, dd) = mgpu_probe.inputs(jax.random.key(3), n, k, 8, "int4", True, sub=1, codes=1)
+    q = np.asarray(w, np.int32) + 8
+    c, d = np.asarray(codes, np.float64), np.asarray(dd, np.float64)
+    want = np.zeros((n, k))
+    for col in range(k):
+        sb, j = divmod(col, 256)
+        j //= 32
+        want[:, col] = d[2 * sb] * c[16 * sb + j] * q[:, col] - d[2 * sb + 1] * c[16 * sb + 8 + j]
+    got = mgpu_probe.reference(w, x, codes, dd, sub=1, codes=1)
+    np.testing.assert_allclose(got, want @ np.asarray(x, np.float64).T, rtol=2e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["wtype=int4,scaled=1,splits=2", "wtype=int4,scaled=1,sub=1,codes=1,math=f16"])
+def test_mgpu_probe_kernels_lower_for_cuda_on_a_cpu(variant):
+    """The probe's Mosaic GPU kernels trace and lower for CUDA with no GPU, as `--lower` does before a device run
+    (their numbers come from a GPU run, scripts/results/mgpu_probe_*_h200.txt)."""
+    import functools
+
+    import jax
+
+    import mgpu_probe
+    from benchlib import parse_options
+
+    opts = parse_options(variant)
+    wtype, scaled = opts.pop("wtype"), bool(opts.pop("scaled"))
+    w, x, so = mgpu_probe.inputs(jax.random.key(0), 128, 512, 24, wtype, scaled, sub=opts.get("sub", 0),
+                                 codes=opts.get("codes", 0))
+    lowered = jax.jit(functools.partial(mgpu_probe.mgpu_matmul, **opts)).trace(w, x, *so).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 def test_budget_sweep_on_the_fixture_pair(tiny_gguf_path, tmp_path):
     import budget_sweep
 
