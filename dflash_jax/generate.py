@@ -56,17 +56,26 @@ def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | Non
 
 
 def load_models(target_path: str, draft_path: str | None, mode: str, impl: str = "auto",
-                progress: bool = True) -> Models:
-    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other."""
+                progress: bool = True, mgpu: bool = False) -> Models:
+    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other; `mgpu` also packs the
+    target's Q4_K weights for the Mosaic GPU kernel (Hopper only, pallas_kernels/qmatmul_mgpu.py)."""
     from dflash_jax.load import load_draft, load_target
+    from pallas_kernels import qmatmul as qm
+    from pallas_kernels import qmatmul_mgpu
 
     for path in (target_path, draft_path):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file or directory")
     if mode != "ar" and draft_path is None:
         raise UsageError(f"--mode {mode} needs a drafter: pass --draft DIR (or use --mode ar)")
+    if mgpu and not qmatmul_mgpu.available():
+        raise UsageError("--mgpu needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernel")
     t0 = time.perf_counter()
-    target = load_target(target_path, progress=progress, impl=impl)
+    packing, qm.MGPU_LAYOUT = qm.MGPU_LAYOUT, mgpu or qm.MGPU_LAYOUT
+    try:
+        target = load_target(target_path, progress=progress, impl=impl)
+    finally:
+        qm.MGPU_LAYOUT = packing
     tokenizer = load_tokenizer(target_path)
     if tokenizer.vocab_size > target.config.vocab_size:
         raise UsageError(f"{target_path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
@@ -178,7 +187,7 @@ def run(argv: Sequence[str]) -> int:
             raise UsageError("empty prompt: pass --prompt TEXT, --prompt_ids, or text on stdin")
     log = CompileLog() if f.compile_report else None
     with contextlib.nullcontext() if log is None else log:  # compiles of loading and generating
-        models = load_models(target_path, draft_path, f.mode, progress=not f.json)
+        models = load_models(target_path, draft_path, f.mode, progress=not f.json, mgpu=f.mgpu)
         tok = models.tokenizer
         if f.prompt_ids is None:
             ids = prompt_tokens(tok, text, system=f.system, raw=f.raw, thinking=f.thinking)
@@ -244,7 +253,7 @@ def engine_from_flags(argv: Sequence[str]):
     ecfg = engine_config(f, max_ctx=f.max_ctx)
     if f.n_gen >= f.max_ctx:
         raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
-    models = load_models(target_path, draft_path, f.mode)
+    models = load_models(target_path, draft_path, f.mode, mgpu=f.mgpu)
     return Engine.from_loaded(models.target, models.draft, ecfg), models, target_path
 
 
@@ -292,6 +301,9 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_integer("max_ctx", max_ctx, max_ctx_help, lower_bound=0)
     flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")
+    flags.DEFINE_boolean("mgpu", False, "Hopper GPUs: also pack the target's Q4_K weights for the Mosaic GPU kernel, "
+                         "which then takes products of 2-64 tokens (the tree verify, prefill): a 1.2x faster DDTree "
+                         "step on an H200, for a second copy of the Q4_K quants in device memory.")
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.")
 

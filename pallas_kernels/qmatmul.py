@@ -70,6 +70,9 @@ class PackedWeight:
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     # whether float16 holds the weights, scales and mins times 2**F16_SHIFT (`f16x2` tiles; `pack` checks)
     f16_ok: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # the same Q4_K weight in the Mosaic GPU kernel's layout (qmatmul_mgpu.MgpuQ4K), where `pack` made one
+    # (`MGPU_LAYOUT`); products of 2-64 rows then take that kernel on a GPU (`MGPU`)
+    mgpu: object = None
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +109,20 @@ def pack(qt: QTensor) -> PackedWeight:
                 "d": f["d"].reshape(n, nb), "dmin": f["dmin"].reshape(n, nb)}
         if qt.fmt == "Q5_K":
             data["qh"] = f["qh"].reshape(n, nb, 32)
-    return PackedWeight(data, qt.fmt, (n, k), f16_ok=f16_fits(qt.fmt, data))
+    return PackedWeight(data, qt.fmt, (n, k), f16_ok=f16_fits(qt.fmt, data), mgpu=mgpu_layout(qt))
+
+
+def mgpu_layout(qt: QTensor):
+    """The Mosaic GPU kernel's layout of a Q4_K weight when `MGPU_LAYOUT` asks for it and the kernel takes the
+    weight (rows a multiple of 64, float16 holds it; concrete arrays), else None."""
+    if not MGPU_LAYOUT or qt.fmt != "Q4_K" or any(isinstance(a, jax.core.Tracer) for a in qt.data.values()):
+        return None
+    from pallas_kernels import qmatmul_mgpu  # imported here: qmatmul_mgpu builds on this module
+
+    try:
+        return qmatmul_mgpu.pack(qt)
+    except ValueError:  # rows not a multiple of 64, or a weight float16 cannot hold: the Triton kernels take it
+        return None
 
 
 def f16_fits(fmt: str, data: dict[str, jax.Array]) -> bool:
@@ -435,6 +451,13 @@ WGMMA = False
 # SASS as reading the gathered copy (scripts/qmatmul_sass.py, x_view=0/1) and one launch less a product, but the
 # DDTree-22 step was 1.09x slower with it on an H100 (scripts/results/tree_xview_h100.txt), so off
 X_VIEW = False
+# Whether `pack` also lays out each Q4_K weight for the Mosaic GPU kernel (qmatmul_mgpu.py: TMA pipelines, wgmma with
+# the tokens on its N side), and whether products of 2-64 rows take it where that layout exists. It ran 1.1-2.2x
+# faster than the Triton tensor-core kernel on every 27B Q4_K shape at 16-64 tokens on an H200, at the same accuracy
+# (scripts/results/qmatmul_mgpu_h200.txt), but the one-token GEMV still reads the other layout, so the Q4_K quants
+# are held twice: off until the GEMV reads the new one
+MGPU_LAYOUT = False
+MGPU = True
 # Per format, how the tensor-core kernel dequantizes its tiles (`TILE_MATHS`; f32 for a weight f16x2 cannot hold).
 # f16x2: Q4_K's kernels 1.02-1.15x faster than f32 and 6x closer to the float32 product (3.0e-4 against 1.7e-3), the
 # DDTree-22 step 28.60 -> 27.89 ms, the fixture model 3.2e-3 from its float32 logits instead of 1.0e-2, on an H200
@@ -659,12 +682,12 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 
 @functools.partial(jax.jit, static_argnames=("block_n", "columns", "splits", "num_warps", "num_stages", "gemv",
                                              "asm", "prefetch", "int8_x", "int8_mma", "wgmma", "x_view", "tile_math",
-                                             "interpret"))
+                                             "mgpu", "interpret"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, columns: int | None = None,
             splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
             gemv: bool | None = None, asm: bool | None = None, prefetch: int | None = None, int8_x: int | None = None,
             int8_mma: bool | None = None, wgmma: bool | None = None, x_view: bool | None = None,
-            tile_math: str | None = None, interpret: bool = False) -> jax.Array:
+            tile_math: str | None = None, mgpu: bool | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64; K is split over `splits` programs per row tile
     (default: `default_splits`). `gemv` (default: M = 1) takes the one-token kernel. The GEMV rounds x to bf16 and
     keeps the dequantized weights in float32; the tensor-core kernel multiplies bf16 x and weights, or float16 ones
@@ -682,7 +705,9 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     mask the rows past M, instead of from a copy gathered and padded by XLA before it (one launch less a product;
     slower on an H100). `tile_math` (default: the format's `TILE_MATH`, f32 where the weight
     does not fit f16x2) is how the tensor-core kernel dequantizes Q4_K/Q6_K tiles: "f32", "bf16x2" or "f16x2"
-    (`plane_tile_mma`; f16x2 also multiplies x in float16)."""
+    (`plane_tile_mma`; f16x2 also multiplies x in float16). `mgpu` (default `MGPU`): whether a product of 2-64 rows
+    with a weight that carries the Mosaic GPU layout (`pw.mgpu`, `MGPU_LAYOUT`) takes that kernel (GPU only; the
+    other options then do not apply)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -690,6 +715,10 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     if m > M_MAX:
         raise ValueError(f"qmatmul takes at most {M_MAX} rows, got {m}")
     gemv = m == 1 if gemv is None else gemv
+    if pw.mgpu is not None and (MGPU if mgpu is None else mgpu) and not gemv and not interpret:
+        from pallas_kernels import qmatmul_mgpu  # imported here: qmatmul_mgpu builds on this module
+
+        return qmatmul_mgpu.qmatmul(x, pw.mgpu)
     kernel = "gemv" if gemv else "mma"
     asm = ASM[kernel] and not interpret if asm is None else asm
     if asm and interpret:

@@ -5,8 +5,8 @@ build).
     python scripts/ar_variants.py --out tree.json --mode ddtree --variants shipped mma_stages_q4_k=3
 
 A variant is `KEY=VALUE,...` over qmatmul's defaults (keys: gemv_asm, gemv_prefetch, mma_asm, mma_prefetch, int8_x,
-int8_block_n, int8_columns, int8_warps, mma_stages_<format>, mma_x_view, mma_tile_math_<format> (f32, bf16x2, f16x2);
-`shipped` for none). Each
+int8_block_n, int8_columns, int8_warps, mma_stages_<format>, mma_x_view, mma_tile_math_<format> (f32, bf16x2, f16x2),
+mgpu (the Mosaic GPU Q4_K kernel, with `--mgpu-layout`); `shipped` for none). Each
 variant's step is compiled once, ahead of time, under its options (jax's caches cleared first, so the kernels are
 traced again), and kept; then each round runs every variant in turn: an engine (`--mode`: ar, or ddtree at
 `--budget`, whose verify multiplies budget + 1 tokens whatever the random drafter proposes) generates `--n_gen`
@@ -52,6 +52,7 @@ SETTERS = {**{f"{kernel}_asm": (lambda v, k=kernel: qm.ASM.__setitem__(k, bool(v
            **{f"mma_stages_{fmt.lower()}": (lambda v, f=fmt: qm.MMA_STAGES.__setitem__(f, v))
               for fmt in qm.PACKED_FORMATS},
            "mma_x_view": lambda v: setattr(qm, "X_VIEW", bool(v)),
+           "mgpu": lambda v: setattr(qm, "MGPU", bool(v)),
            **{f"mma_tile_math_{fmt.lower()}": (lambda v, f=fmt: qm.TILE_MATH.__setitem__(f, v))
               for fmt in qm.TILE_MATH}}
 
@@ -95,6 +96,9 @@ def main() -> None:
     ap.add_argument("--n_gen", type=int, default=128)
     ap.add_argument("--prompt_len", type=int, default=64)
     ap.add_argument("--max_ctx", type=int, default=1024)
+    ap.add_argument("--mgpu-layout", action="store_true",
+                    help="pack Q4_K weights for the Mosaic GPU kernel too (qmatmul.MGPU_LAYOUT), so that the "
+                         "variants mgpu=0 and mgpu=1 compare it with the Triton kernel on the same weights")
     args = ap.parse_args()
     variants = {spec: options(spec) for spec in args.variants}
     shipped = qmatmul_defaults()
@@ -103,6 +107,7 @@ def main() -> None:
     res: dict = {**environment(), "args": vars(args) | {"out": str(args.out)}, "rows": []}
     scale = 1.0 if jax.default_backend() == "gpu" else 0.125
     res["copy_rate"] = copy_rate(scale)
+    qm.MGPU_LAYOUT = args.mgpu_layout
     target, draft, info = make_models(args.model, args.impl, log)
     floor_ms = 1e3 * info["step_weight_bytes"] / res["copy_rate"]
     log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s, models made in {info['make_s']:.0f} s, "
@@ -125,7 +130,7 @@ def main() -> None:
             first[spec] = dict(compile_s=time.perf_counter() - t0, parts_at=first_difference(tokens, first_tokens),
                                asm=dict(qm.ASM), prefetch=dict(qm.PREFETCH), int8_x=qm.INT8_X,
                                int8_tiles=qm.GEMV_INT8_TILES, mma_stages=dict(qm.MMA_STAGES),
-                               x_view=qm.X_VIEW, tile_math=dict(qm.TILE_MATH))
+                               x_view=qm.X_VIEW, tile_math=dict(qm.TILE_MATH), mgpu=qm.MGPU)
             log(f"{spec:32s} compiled and run once in {first[spec]['compile_s']:.0f} s")
     finally:
         set_qmatmul_defaults(shipped)

@@ -332,6 +332,9 @@ def main() -> None:
     ap.add_argument("--wgmma", type=int, choices=(0, 1), default=None,
                     help="the tensor-core kernel with weight rows first in its products (Hopper's wgmma; default: "
                          "qmatmul.WGMMA)")
+    ap.add_argument("--mgpu", type=int, choices=(0, 1), default=None,
+                    help="1: Q4_K weights also packed for the Mosaic GPU kernel, which then takes their products of "
+                         "2-64 tokens (qmatmul.MGPU_LAYOUT; Hopper; the Q4_K quants are held twice)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):
@@ -343,7 +346,9 @@ def main() -> None:
     qm.ASM.update({kernel: choice == "ptx" for kernel, choice in (("mma", args.dequant), ("gemv", args.gemv_dequant))
                    if choice})
     set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
-                                                          ("WGMMA", args.wgmma)) if value is not None})
+                                                          ("WGMMA", args.wgmma),
+                                                          ("MGPU_LAYOUT", None if args.mgpu is None else bool(args.mgpu)))
+                           if value is not None})
     if args.one_token == "tensor_cores":
         qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)
     try:

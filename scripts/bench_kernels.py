@@ -10,6 +10,10 @@ which includes the call's dispatch and the wait for it, and the GPU kernel time 
 (kernel_us, kernel_ratio; benchlib.kernel_seconds), which does not. `--sweep` also times tile variants, `--splits`
 the K split over 1, 2, 4 and 8 programs, `--variants` any qmatmul options (e.g. `asm=1,prefetch=1`).
 
+qmatmul_mgpu: the Mosaic GPU Q4_K kernel (pallas_kernels/qmatmul_mgpu.py) on the 27B's Q4_K shapes at each `--m`,
+beside qmatmul on the same weights in the same run; its rate also counts GGUF bytes (its layout reads 2.8 % more).
+`--variants` options apply to it here (e.g. `splits=2`, `stages=4`).
+
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
 over the copy rate. Also the jnp reference under XLA.
@@ -48,6 +52,7 @@ from dflash_jax.testing.gguf_writer import q4_k_m_rule  # noqa: E402
 from dflash_jax.testing.synthetic import random_matrix  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
+from pallas_kernels import qmatmul_mgpu as mg  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels.tree_attention import tree_attention  # noqa: E402
 from pallas_kernels.tree_conv import tree_conv  # noqa: E402
@@ -137,6 +142,32 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
                 rows.append(dict(kernel="xla_dequant_dot", matrix=name, fmt=fmt, n=n, k=k, m=m, **times))
                 print(_line(name, fmt, m, "XLA dequantize-then-dot", times), flush=True)
         del qts, packed
+    return rows
+
+
+def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None, extra: list[dict] = ()) -> list[dict]:
+    """The Mosaic GPU Q4_K kernel and qmatmul on each 27B Q4_K shape at each M, errors against the float32
+    product of the GGUF weights."""
+    rows = []
+    for name, fmt, n, k in SHAPES:
+        if fmt != "Q4_K" or (only and f"{name}:{fmt}" not in only):
+            continue
+        qts, gguf_bytes = _copies(fmt, n, k)
+        kernels = {"qmatmul": ([qm.pack(q) for q in qts], qm.qmatmul, [dict()]),
+                   "qmatmul_mgpu": ([mg.pack(q) for q in qts], mg.qmatmul, [dict(), *extra])}
+        exact_w = dequantize(qts[0])
+        for m in ms:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+            exact = jnp.einsum("mk,nk->mn", x, exact_w, precision=jax.lax.Precision.HIGHEST)
+            for kernel, (weights, fn, variants) in kernels.items():
+                for opts in variants:
+                    run = jax.jit(lambda x, ws, fn=fn, o=opts: [fn(x, w, **o) for w in ws])
+                    err = float(jnp.linalg.norm(run(x, weights[:1])[0] - exact) / jnp.linalg.norm(exact))
+                    times = _times(run, x, weights, gguf_bytes, copy)
+                    rows.append(dict(kernel=kernel, matrix=name, fmt=fmt, n=n, k=k, m=m, **opts, rel_err=err,
+                                     **times))
+                    print(_line(name, fmt, m, f"{kernel} {opts or ''}", times) + f"  err {err:.1e}", flush=True)
+        del qts, kernels
     return rows
 
 
@@ -288,7 +319,8 @@ def main() -> None:
                     help="also time qmatmul with these options (e.g. prefetch=1 m=1,prefetch=1,block_n=16; "
                          "m=M times that variant at M tokens only)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
-                    choices=["qmatmul", "tree_attention", "gdn", "tree_conv"], help="which kernels to time")
+                    choices=["qmatmul", "qmatmul_mgpu", "tree_attention", "gdn", "tree_conv"],
+                    help="which kernels to time")
     args = ap.parse_args()
     env = environment()
     copy = copy_rate()
@@ -296,6 +328,8 @@ def main() -> None:
     rows = []
     if "qmatmul" in args.kernels:
         rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits, args.tiles, args.variants)
+    if "qmatmul_mgpu" in args.kernels:
+        rows += bench_qmatmul_mgpu(args.m, copy, set(args.only or ()), args.variants)
     if "tree_attention" in args.kernels:
         rows += bench_tree_attention(copy, args.sweep)
     if "gdn" in args.kernels:
@@ -305,7 +339,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(env, copy_rate=copy, results=rows), indent=1))
     for r in rows:
-        if r["kernel"] not in ("qmatmul", "xla_dequant_dot") and "splits" not in r:  # not a sweep variant
+        if r["kernel"] not in ("qmatmul", "qmatmul_mgpu", "xla_dequant_dot") and "splits" not in r:  # not a sweep
             extra = f"  {r['floor_ratio']:.2f} of floor" if "floor_ratio" in r else ""
             extra += f"  {r['of_ar']:.3f} of AR weights" if "of_ar" in r else ""
             print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} {r['us']:9.1f} us"

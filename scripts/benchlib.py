@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 # qmatmul's module-level kernel choices and tiles, which a benchmark may change for one run
 QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
-                    "X_VIEW", "TILE_MATH", "qmatmul")
+                    "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "qmatmul")
 
 
 def qmatmul_defaults() -> dict:

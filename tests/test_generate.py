@@ -84,6 +84,7 @@ def _other_arch(tiny_gguf_path, tmp_path):
     (lambda g, t: ["--prompt", "   "], "empty prompt"),
     (lambda g, t: ["--profile", "", "--prompt", "hi"], "--profile needs a directory"),
     (lambda g, t: ["--profile", str(g), "--prompt", "hi"], "exists and is not a directory"),
+    (lambda g, t: ["--target", str(g), "--mode", "ar", "--mgpu", "--prompt", "hi"], "--mgpu needs a Hopper GPU"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tiny_gguf_path, tmp_path, args, message):
     import re

@@ -1,0 +1,203 @@
+"""Q4_K weights times 2-64 tokens on Hopper, in Mosaic GPU (Pallas:MGPU): TMA pipelines and wgmma.
+
+The Triton tensor-core kernel (qmatmul.py) multiplies tokens by weight rows with mma.sync, its operands built in
+registers; this kernel puts the weight rows on wgmma's M side (64 per warpgroup, one warpgroup per program) and the
+tokens on its N side (any multiple of 8), with x^T read by the tensor cores straight from shared memory. Per program
+and pipeline step (one super-block, 256 columns), TMA brings in the [64, 256] int4 quants, x's [T, 256] columns and
+the rows' Q4_K scales; the warpgroup converts each 32-column sub-block to float16 weights in registers, q s + o with
+the sub-block's scale and offset as row vectors, and issues one wgmma of K = 32 on it. K is split over `splits`
+programs whose partial products XLA adds. scripts/mgpu_probe.py (README, "A Mosaic GPU probe") measured this form
+1.14-1.74x faster than the Triton kernel on the 27B's Q4_K shapes at 16-32 tokens, at the same accuracy.
+
+Layout (`MgpuQ4K`, repacked once from the GGUF's Q4_K by `pack`): the quants as q - 8 in int4 [N, K], columns in
+order; per super-block the 8 sub-block scales and 8 mins (6-bit, one byte each) as `codes` [K / 256 x 16, N] and
+d, dmin as `dd` [K / 256 x 2, N] float16, transposed so that a step's scales are row vectors a TMA copy can bring
+(its innermost run of bytes is the 64 rows). 4.625 bits a weight, 2.8 % over the GGUF's 4.5.
+
+Arithmetic: as qmatmul's f16x2 tiles, float16 weights and x, exact up to float16's rounding of the weights: x enters
+scaled by 2**-F16_SHIFT and the scales and offsets by 2**F16_SHIFT (`pack` checks that they fit, `f16_fits`). Each
+sub-block's scale d sc and offset 8 d sc - dmin m are made in float32 and rounded to float16 once.
+
+GPU only (Hopper): GPU interpret mode (jax 0.10.2) cannot run wgmma with its A operand in registers, so the CPU
+tests check the layout and the reference and that the kernel lowers for CUDA; its numerics are checked on a GPU
+(`pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dflash_jax.quant import QK_K, QTensor, k_scale_min
+from pallas_kernels.qmatmul import F16_SHIFT, x_operand
+
+ROWS = 64  # weight rows per program: one warpgroup, wgmma's M
+GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
+SUB_BLOCKS = QK_K // GROUP
+M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
+STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MgpuQ4K:
+    """A Q4_K weight [N, K] in this kernel's layout (module docstring)."""
+
+    q: jax.Array  # [N, K] int4: the quants minus 8
+    codes: jax.Array  # [K / 256 * 16, N] uint8: per super-block, rows 0-7 the sub-block scales, 8-15 the mins
+    dd: jax.Array  # [K / 256 * 2, N] float16: per super-block, d then dmin
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.size // 2 + self.codes.size + self.dd.size * 2
+
+
+def pack(qt: QTensor) -> MgpuQ4K:
+    """A Q4_K QTensor in this kernel's layout (once, at load); refuses other formats, rows not a multiple of 64 and
+    weights whose float16 form would overflow (`f16_fits`)."""
+    if qt.fmt != "Q4_K":
+        raise NotImplementedError(f"the Mosaic GPU kernel takes Q4_K weights, got {qt.fmt}")
+    n, k = qt.shape
+    if n % ROWS:
+        raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {n}")
+    f = {name: jnp.asarray(a) for name, a in qt.data.items()}
+    nb = k // QK_K
+    qs = f["qs"].reshape(n, nb, 4, 1, 32)  # byte 32p + l: sub-block 2p (low nibble), 2p + 1 (high), column l
+    q = jnp.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(n, k)
+    sc, mn = k_scale_min(f["scales"].reshape(n, nb, 12))  # [n, nb, 8] each
+    w = MgpuQ4K(q=(q.astype(jnp.int8) - 8).astype(jnp.int4),
+                codes=jnp.concatenate([sc, mn], axis=-1).reshape(n, nb * 16).T,
+                dd=jnp.stack([f["d"].reshape(n, nb), f["dmin"].reshape(n, nb)], axis=-1).reshape(n, nb * 2).T
+                .astype(jnp.float16),
+                shape=(n, k))
+    if not f16_fits(w):
+        raise ValueError(f"this Q4_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
+    return w
+
+
+def available() -> bool:
+    """Whether the default device can run this kernel: a CUDA GPU of compute capability 9.x (Hopper's wgmma)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def _scales(w: MgpuQ4K) -> tuple[jax.Array, jax.Array]:
+    """Each sub-block's scale d sc and offset 8 d sc - dmin m (the quants are q - 8), float32 [N, K / 32]."""
+    n, k = w.shape
+    nb = k // QK_K
+    codes = w.codes.T.reshape(n, nb, 2, SUB_BLOCKS).astype(jnp.float32)
+    dd = w.dd.T.reshape(n, nb, 2).astype(jnp.float32)
+    scale = dd[..., :1] * codes[:, :, 0]
+    return scale.reshape(n, -1), (8 * scale - dd[..., 1:] * codes[:, :, 1]).reshape(n, -1)
+
+
+def f16_fits(w: MgpuQ4K) -> bool:
+    """Whether every weight, scale and offset times 2**F16_SHIFT stays under 2**15 in float16 (65504 is its
+    largest value): |q - 8| <= 8, so 8 |scale| + |offset| bounds them."""
+    scale, offset = _scales(w)
+    return bool((8 * jnp.abs(scale) + jnp.abs(offset)).max() * 2.0 ** F16_SHIFT < 2 ** 15)
+
+
+def dequantize(w: MgpuQ4K) -> jax.Array:
+    """The weight [N, K] in float32, exactly the GGUF's Q4_K values (d sc q - dmin m)."""
+    scale, offset = _scales(w)
+    q = w.q.astype(jnp.float32).reshape(*scale.shape, GROUP)
+    return (q * scale[..., None] + offset[..., None]).reshape(w.shape)
+
+
+def f16_weights(w: MgpuQ4K) -> jax.Array:
+    """The float16 weights [N, K] the kernel multiplies: (q - 8) s + o with s and o times 2**F16_SHIFT in float16,
+    rounded once."""
+    scale, offset = (jnp.asarray(a * 2.0 ** F16_SHIFT, jnp.float16).astype(jnp.float32) for a in _scales(w))
+    q = w.q.astype(jnp.float32).reshape(*scale.shape, GROUP)
+    return (q * scale[..., None] + offset[..., None]).reshape(w.shape).astype(jnp.float16)
+
+
+def reference(x: jax.Array, w: MgpuQ4K) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them."""
+    return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), f16_weights(w).astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def default_splits(n: int, k: int, target: int = 2048) -> int:
+    """Programs along K: 4 where they divide the super-blocks and keep row tiles x splits within `target`, else 2
+    or 1. Four were the fastest of 1, 2 and 4 on the 27B's ffn_gate, ffn_down and attn_qkv at 16-32 tokens
+    (scripts/results/mgpu_probe_splits_h200.txt, mgpu_probe_shapes_h200.txt)."""
+    nb = k // QK_K
+    for s in (4, 2):
+        if nb % s == 0 and n // ROWS * s <= target:
+            return s
+    return 1
+
+
+def _body(t: int, steps: int, stages: int, w_gmem, x_gmem, codes_gmem, dd_gmem, o_gmem, o_smem):
+    ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
+    row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's 64 rows, as wgmma's accumulator holds them
+    f32, f16 = jnp.float32, jnp.float16
+    gain = 2.0 ** F16_SHIFT
+
+    def step(_, w_smem, x_smem, codes_smem, dd_smem, acc_ref):
+        d = plgpu.load(dd_smem.at[0], (), layout=row).astype(f32) * gain
+        dmin = plgpu.load(dd_smem.at[1], (), layout=row).astype(f32) * gain
+        quants = w_smem[...]
+        for j in range(SUB_BLOCKS):
+            scale = d * plgpu.load(codes_smem.at[j], (), layout=row).astype(f32)
+            offset = 8.0 * scale - dmin * plgpu.load(codes_smem.at[SUB_BLOCKS + j], (), layout=row).astype(f32)
+            cols = slice(j * GROUP, (j + 1) * GROUP)
+            q = quants[:, cols].astype(jnp.bfloat16).astype(f16)  # int4 -> bf16 is Mosaic's fast conversion
+            a = (q * jax.lax.broadcast_in_dim(scale.astype(f16), q.shape, [0])
+                 + jax.lax.broadcast_in_dim(offset.astype(f16), q.shape, [0]))
+            plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].T)
+            plgpu.wgmma_wait(1)
+
+    def specs():
+        k0 = si * steps
+        return [plgpu.BlockSpec((ROWS, QK_K), lambda i: (ni, k0 + i), delay_release=1,
+                                transforms=(plgpu.TilingTransform((8, QK_K)), plgpu.SwizzleTransform(128))),
+                # 64-byte swizzle: x's 32-column slices (one sub-block) are whole swizzle tiles for wgmma's B
+                plgpu.BlockSpec((t, QK_K), lambda i: (0, k0 + i), delay_release=1,
+                                transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))),
+                plgpu.BlockSpec((2 * SUB_BLOCKS, ROWS), lambda i: (k0 + i, ni), delay_release=1),
+                plgpu.BlockSpec((2, ROWS), lambda i: (k0 + i, ni), delay_release=1)]
+
+    def compute(acc_ref):
+        plgpu.emit_pipeline(lambda i, *refs: step(i, *refs, acc_ref), grid=(steps,), in_specs=specs(),
+                            max_concurrent_steps=stages)(w_gmem, x_gmem, codes_gmem, dd_gmem)
+        return acc_ref[...]
+
+    o_smem[...] = pl.run_scoped(compute, plgpu.ACC((ROWS, t), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * ROWS, ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "stages"))
+def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU; K split over
+    `splits` programs (default: `default_splits`), `stages` pipeline steps in flight."""
+    m, k = x.shape
+    n, kw = w.shape
+    if k != kw:
+        raise ValueError(f"x has {k} columns, the weight {kw}")
+    if not 1 <= m <= M_MAX:
+        raise ValueError(f"the Mosaic GPU kernel takes 1 to {M_MAX} rows of x, got {m}")
+    nb = k // QK_K
+    splits = splits or default_splits(n, k)
+    if nb % splits:
+        raise ValueError(f"{nb} super-blocks do not split {splits} ways")
+    t = -(-m // 8) * 8
+    xt = jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
+    out = plgpu.kernel(
+        functools.partial(_body, t, nb // splits, stages),
+        out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
+        grid=(n // ROWS, splits), grid_names=("n", "k"),
+        scratch_types=[plgpu.SMEM((ROWS, t), jnp.float32)],
+        kernel_name="qmatmul_mgpu_q4_k",
+    )(w.q, xt, w.codes, w.dd)
+    return jnp.sum(out, axis=0)[:, :m].T

@@ -1,0 +1,132 @@
+"""The Mosaic GPU Q4_K kernel (pallas_kernels/qmatmul_mgpu.py): its layout and reference on a CPU, that it lowers
+for CUDA with no GPU, and (-m gpu) the compiled kernel against its reference at the 27B's Q4_K shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.quant import dequantize
+from dflash_jax.testing.synthetic import random_matrix
+from pallas_kernels import qmatmul as qm
+from pallas_kernels import qmatmul_mgpu as mg
+
+
+def rel(a, b) -> float:
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def q4k(n: int, k: int, seed: int = 0):
+    return random_matrix(jax.random.key(seed), "Q4_K", (n, k))
+
+
+def test_layout_holds_the_gguf_values_exactly():
+    qt = q4k(128, 768)
+    w = mg.pack(qt)
+    assert w.q.dtype == jnp.int4 and w.codes.shape == (3 * 16, 128) and w.dd.shape == (3 * 2, 128)
+    np.testing.assert_array_equal(np.asarray(mg.dequantize(w)), np.asarray(dequantize(qt)))
+    assert w.nbytes == 128 * 768 // 256 * (128 + 16 + 4)  # 148 bytes a super-block: the GGUF's 144 + 2.8 %
+
+
+def test_reference_is_the_float16_product():
+    """The kernel's arithmetic (float16 weights and x, float32 sums) lands as close to the float32 product as
+    qmatmul's f16x2 tiles, and 6x closer than bf16 tiles."""
+    qt = q4k(256, 1024, seed=1)
+    w, pw = mg.pack(qt), qm.pack(qt)
+    x = jax.random.normal(jax.random.key(2), (23, 1024), jnp.float32)
+    exact = jnp.einsum("mk,nk->mn", x, dequantize(qt), precision=jax.lax.Precision.HIGHEST)
+    err = rel(mg.reference(x, w), exact)
+    assert err < 6e-4
+    assert err < rel(qm.qmatmul_reference(x, pw, "f32"), exact) / 3
+    assert rel(mg.reference(x, w), qm.qmatmul_reference(x, pw, "f16x2")) < 6e-4
+
+
+def test_refuses_what_it_cannot_take():
+    with pytest.raises(NotImplementedError, match="Q4_K"):
+        mg.pack(random_matrix(jax.random.key(0), "Q6_K", (64, 256)))
+    with pytest.raises(ValueError, match="multiple of 64 rows"):
+        mg.pack(q4k(48, 256))
+    loud = random_matrix(jax.random.key(0), "Q4_K", (64, 256))
+    loud = type(loud)({**loud.data, "d": jnp.full_like(loud.data["d"], 60.0)}, loud.fmt, loud.shape)
+    with pytest.raises(ValueError, match="float16"):
+        mg.pack(loud)
+    w = mg.pack(q4k(64, 512))
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        mg.qmatmul(jnp.zeros((65, 512)), w)
+    with pytest.raises(ValueError, match="columns"):
+        mg.qmatmul(jnp.zeros((4, 256)), w)
+    with pytest.raises(ValueError, match="split 4 ways"):
+        mg.qmatmul(jnp.zeros((4, 512)), w, splits=4)
+
+
+@pytest.mark.parametrize("m", [1, 23, 64])
+def test_lowers_for_cuda_on_a_cpu(m):
+    """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes) run without a GPU."""
+    w = mg.pack(q4k(128, 1024))
+    x = jnp.zeros((m, 1024), jnp.float32)
+    text = jax.jit(mg.qmatmul).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_default_splits_divide_the_super_blocks():
+    assert mg.default_splits(17408, 5120) == 4  # 20 super-blocks, 272 row tiles
+    assert mg.default_splits(5120, 17408) == 4  # 68 super-blocks
+    assert mg.default_splits(5120, 256 * 6) == 2
+    assert mg.default_splits(5120, 256 * 7) == 1
+    assert mg.default_splits(64 * 2048, 5120) == 1  # 2048 row tiles: enough programs already
+
+
+@pytest.fixture
+def mgpu_layout(monkeypatch):
+    monkeypatch.setattr(qm, "MGPU_LAYOUT", True)
+
+
+def test_pack_adds_the_layout_where_the_kernel_takes_the_weight(mgpu_layout):
+    assert isinstance(qm.pack(q4k(128, 512)).mgpu, mg.MgpuQ4K)
+    assert qm.pack(q4k(48, 512)).mgpu is None  # rows not a multiple of 64: the Triton kernels only
+    assert qm.pack(random_matrix(jax.random.key(0), "Q6_K", (128, 512))).mgpu is None
+
+
+def test_qmatmul_takes_the_mosaic_kernel_for_two_rows_or_more(mgpu_layout):
+    """Lowered for CUDA, a product of 2+ rows with the layout is the Mosaic GPU kernel and one row the GEMV (Triton);
+    in interpret mode (CPU) the Triton kernel runs and gives what it gives without the layout."""
+    pw = qm.pack(q4k(128, 1024))
+    lower = lambda x, **o: jax.jit(lambda x, pw: qm.qmatmul(x, pw, **o)).trace(x, pw).lower(  # noqa: E731
+        lowering_platforms=("cuda",)).as_text()
+    x = jax.random.normal(jax.random.key(1), (3, 1024), jnp.float32)
+    assert "mosaic_gpu" in lower(x) and "triton" not in lower(x)
+    assert "mosaic_gpu" not in lower(x, mgpu=False) and "triton" in lower(x, mgpu=False)
+    assert "mosaic_gpu" not in lower(x[:1])
+    plain = qm.PackedWeight(pw.data, pw.fmt, pw.shape, pw.f16_ok)
+    np.testing.assert_array_equal(np.asarray(qm.qmatmul(x, pw, interpret=True)),
+                                  np.asarray(qm.qmatmul(x, plain, interpret=True)))
+
+
+Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 6144), (12288, 5120)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", Q4K_27B)
+@pytest.mark.parametrize("m", [2, 16, 23, 32, 64])
+def test_kernel_at_27b_shapes(n, k, m):
+    w = mg.pack(q4k(n, k, seed=m))
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+    got = mg.qmatmul(x, w)
+    assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
+    assert rel(got, mg.reference(x, w)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,stages", [(1, 2), (2, 4)])
+def test_kernel_options(splits, stages):
+    w = mg.pack(q4k(1024, 5120, seed=3))
+    x = jax.random.normal(jax.random.key(3), (5, 5120), jnp.float32)
+    assert rel(mg.qmatmul(x, w, splits=splits, stages=stages), mg.reference(x, w)) < 1e-4
+
+
+@pytest.mark.gpu
+def test_qmatmul_with_the_layout_at_27b_shapes(mgpu_layout):
+    pw = qm.pack(q4k(17408, 5120, seed=5))
+    x = jax.random.normal(jax.random.key(5), (23, 5120), jnp.float32)
+    assert rel(qm.qmatmul(x, pw), mg.reference(x, pw.mgpu)) < 1e-4
+    assert rel(qm.qmatmul(x, pw, mgpu=False), qm.qmatmul_reference(x, pw, "f16x2")) < 4e-3  # BF16_TILES, test_qmatmul.py
