@@ -302,7 +302,7 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")
     flags.DEFINE_boolean("mgpu", False, "Hopper GPUs: also pack the target's Q4_K weights for the Mosaic GPU kernel, "
-                         "which then takes products of 2-64 tokens (the tree verify, prefill): a 1.2x faster DDTree "
+                         "which then takes products of 2-64 tokens (the tree verify, prefill): a 1.3x faster DDTree "
                          "step on an H200, for a second copy of the Q4_K quants in device memory.")
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.")

@@ -452,10 +452,10 @@ WGMMA = False
 # DDTree-22 step was 1.09x slower with it on an H100 (scripts/results/tree_xview_h100.txt), so off
 X_VIEW = False
 # Whether `pack` also lays out each Q4_K weight for the Mosaic GPU kernel (qmatmul_mgpu.py: TMA pipelines, wgmma with
-# the tokens on its N side), and whether products of 2-64 rows take it where that layout exists. It ran 1.1-2.2x
-# faster than the Triton tensor-core kernel on every 27B Q4_K shape at 16-64 tokens on an H200, at the same accuracy
-# (scripts/results/qmatmul_mgpu_h200.txt), but the one-token GEMV still reads the other layout, so the Q4_K quants
-# are held twice: off until the GEMV reads the new one
+# the tokens on its N side), and whether products of 2-64 rows take it where that layout exists. On an H200 it made
+# the DDTree-22 step 1.31x faster (28.1 -> 21.5 ms, scripts/results/tree_mgpu_ptx_h200.txt) at the same accuracy,
+# but the one-token GEMV still reads the other layout, so the Q4_K quants are held twice: off until the GEMV reads
+# the new one
 MGPU_LAYOUT = False
 MGPU = True
 # Per format, how the tensor-core kernel dequantizes its tiles (`TILE_MATHS`; f32 for a weight f16x2 cannot hold).

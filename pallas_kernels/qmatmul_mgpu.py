@@ -4,10 +4,10 @@ The Triton tensor-core kernel (qmatmul.py) multiplies tokens by weight rows with
 registers; this kernel puts the weight rows on wgmma's M side (64 per warpgroup, one warpgroup per program) and the
 tokens on its N side (any multiple of 8), with x^T read by the tensor cores straight from shared memory. Per program
 and pipeline step (one super-block, 256 columns), TMA brings in the [64, 256] int4 quants, x's [T, 256] columns and
-the rows' Q4_K scales; the warpgroup converts each 32-column sub-block to float16 weights in registers, q s + o with
-the sub-block's scale and offset as row vectors, and issues one wgmma of K = 32 on it. K is split over `splits`
-programs whose partial products XLA adds. scripts/mgpu_probe.py (README, "A Mosaic GPU probe") measured this form
-1.14-1.74x faster than the Triton kernel on the 27B's Q4_K shapes at 16-32 tokens, at the same accuracy.
+the rows' Q4_K scales; the warpgroup converts each 32-column sub-block to float16 weights in registers (inline PTX,
+`_f16_tile`: q scale - min with the sub-block's scale and min as row vectors) and issues one wgmma of K = 32 on it.
+K is split over `splits` programs whose partial products XLA adds. On an H200, 1.4-2.1x faster than the Triton
+kernel on the 27B's Q4_K shapes at 16-23 tokens, at the same accuracy (scripts/results/qmatmul_mgpu_ptx_h200.txt).
 
 Layout (`MgpuQ4K`, repacked once from the GGUF's Q4_K by `pack`): the quants as q - 8 in int4 [N, K], columns in
 order; per super-block the 8 sub-block scales and 8 mins (6-bit, one byte each) as `codes` [K / 256 x 16, N] and
@@ -15,8 +15,8 @@ d, dmin as `dd` [K / 256 x 2, N] float16, transposed so that a step's scales are
 (its innermost run of bytes is the 64 rows). 4.625 bits a weight, 2.8 % over the GGUF's 4.5.
 
 Arithmetic: as qmatmul's f16x2 tiles, float16 weights and x, exact up to float16's rounding of the weights: x enters
-scaled by 2**-F16_SHIFT and the scales and offsets by 2**F16_SHIFT (`pack` checks that they fit, `f16_fits`). Each
-sub-block's scale d sc and offset 8 d sc - dmin m are made in float32 and rounded to float16 once.
+scaled by 2**-F16_SHIFT and the scales and mins by 2**F16_SHIFT (`pack` checks that they fit, `f16_fits`). Each
+sub-block's scale d sc and min dmin m are made in float32 and rounded to float16 once, each weight by one fma.
 
 GPU only (Hopper): GPU interpret mode (jax 0.10.2) cannot run wgmma with its A operand in registers, so the CPU
 tests check the layout and the reference and that the kernel lowers for CUDA; its numerics are checked on a GPU
@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -41,6 +42,7 @@ GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
+CONVERT = "ptx"  # how the quants become float16 weights (`CONVERTS`, `qmatmul`)
 
 
 @jax.tree_util.register_dataclass
@@ -88,40 +90,47 @@ def available() -> bool:
 
 
 def _scales(w: MgpuQ4K) -> tuple[jax.Array, jax.Array]:
-    """Each sub-block's scale d sc and offset 8 d sc - dmin m (the quants are q - 8), float32 [N, K / 32]."""
+    """Each sub-block's scale d sc and negated min -dmin m, float32 [N, K / 32]: w = q scale + neg_min."""
     n, k = w.shape
     nb = k // QK_K
     codes = w.codes.T.reshape(n, nb, 2, SUB_BLOCKS).astype(jnp.float32)
     dd = w.dd.T.reshape(n, nb, 2).astype(jnp.float32)
-    scale = dd[..., :1] * codes[:, :, 0]
-    return scale.reshape(n, -1), (8 * scale - dd[..., 1:] * codes[:, :, 1]).reshape(n, -1)
+    return (dd[..., :1] * codes[:, :, 0]).reshape(n, -1), (-dd[..., 1:] * codes[:, :, 1]).reshape(n, -1)
+
+
+def _terms(w: MgpuQ4K, convert: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(quants, scale, offset) as `convert` multiplies them, w = quants scale + offset: "ptx" takes q with the
+    negated min, "mosaic" q - 8 (the int4 as stored) with 8 scale - dmin m; float32, scales [N, K / 32]."""
+    scale, neg_min = _scales(w)
+    q = w.q.astype(jnp.float32).reshape(*scale.shape, GROUP)
+    return (q + 8, scale, neg_min) if convert == "ptx" else (q, scale, 8 * scale + neg_min)
 
 
 def f16_fits(w: MgpuQ4K) -> bool:
-    """Whether every weight, scale and offset times 2**F16_SHIFT stays under 2**15 in float16 (65504 is its
-    largest value): |q - 8| <= 8, so 8 |scale| + |offset| bounds them."""
-    scale, offset = _scales(w)
-    return bool((8 * jnp.abs(scale) + jnp.abs(offset)).max() * 2.0 ** F16_SHIFT < 2 ** 15)
+    """Whether every weight, scale and offset of either form (`_terms`) times 2**F16_SHIFT stays under 2**15 in
+    float16 (65504 is its largest value): 15 |scale| + |neg_min| bounds them."""
+    scale, neg_min = _scales(w)
+    return bool((15 * jnp.abs(scale) + jnp.abs(neg_min)).max() * 2.0 ** F16_SHIFT < 2 ** 15)
 
 
 def dequantize(w: MgpuQ4K) -> jax.Array:
     """The weight [N, K] in float32, exactly the GGUF's Q4_K values (d sc q - dmin m)."""
-    scale, offset = _scales(w)
-    q = w.q.astype(jnp.float32).reshape(*scale.shape, GROUP)
+    q, scale, offset = _terms(w, "ptx")
     return (q * scale[..., None] + offset[..., None]).reshape(w.shape)
 
 
-def f16_weights(w: MgpuQ4K) -> jax.Array:
-    """The float16 weights [N, K] the kernel multiplies: (q - 8) s + o with s and o times 2**F16_SHIFT in float16,
-    rounded once."""
-    scale, offset = (jnp.asarray(a * 2.0 ** F16_SHIFT, jnp.float16).astype(jnp.float32) for a in _scales(w))
-    q = w.q.astype(jnp.float32).reshape(*scale.shape, GROUP)
+def f16_weights(w: MgpuQ4K, convert: str = "ptx") -> jax.Array:
+    """The float16 weights [N, K] the kernel multiplies: quants x scale + offset (`_terms`) with the scale and
+    offset times 2**F16_SHIFT in float16, rounded once (one fma)."""
+    q, scale, offset = _terms(w, convert)
+    scale, offset = (jnp.asarray(a * 2.0 ** F16_SHIFT, jnp.float16).astype(jnp.float32) for a in (scale, offset))
     return (q * scale[..., None] + offset[..., None]).reshape(w.shape).astype(jnp.float16)
 
 
-def reference(x: jax.Array, w: MgpuQ4K) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them."""
-    return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), f16_weights(w).astype(jnp.float32),
+def reference(x: jax.Array, w: MgpuQ4K, convert: str = "ptx") -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them (`convert`)."""
+    return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32),
+                      f16_weights(w, convert).astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
 
 
@@ -136,7 +145,61 @@ def default_splits(n: int, k: int, target: int = 2048) -> int:
     return 1
 
 
-def _body(t: int, steps: int, stages: int, w_gmem, x_gmem, codes_gmem, dd_gmem, o_gmem, o_smem):
+CONVERTS = ("ptx", "mosaic")
+
+
+def _f16_tile(q, scale, neg_min):
+    """q [64, 32] int4 as loaded (WGMMA_UPCAST_4X layout: 8 nibbles a 32-bit register) -> float16 [64, 32] in WGMMA
+    layout = (q ^ 8) scale + neg_min per row. Mosaic GPU's relayout to WGMMA (a lane shuffle and a prmt per
+    register) leaves each register two nibbles of a 32-bit word; then, by inline PTX, a prmt puts
+    the two nibbles of a register in the low bits of two halves, a lop3 masks them, flips the stored sign bit (the
+    int4 holds q - 8) and adds float16's exponent of 1024, which makes 1024 + q exactly; a sub takes the 1024 off and
+    one fma applies the row's scale and negated min, two weights an instruction. The same part and byte order as
+    Mosaic GPU's own int4-to-bf16 conversion (fragmented_array.astype), which this replaces."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, row, row),
+                       return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
+    def convert(_, qf, sf, of):
+        i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+        qf = qf.to_layout(fa.WGMMA_LAYOUT)  # built here, so each register's slice of its word can be read back
+
+        def pair(reg):  # vector<1 x f16> -> the float16 twice in a 32-bit register
+            return llvm.inline_asm(i32, [mu.bitcast(vector.extract(reg, [], [0]), i16)], "mov.b32 $0, {$1, $1};",
+                                   "=r,h")
+
+        # registers [.., column tile, .., .., row half, ..]: a thread holds rows r and r + 8 of its warp's 16
+        scales = [pair(sf.registers[0, 0, h, 0, 0]) for h in range(2)]
+        mins = [pair(of.registers[0, 0, h, 0, 0]) for h in range(2)]
+        out = np.empty_like(qf.registers)
+        for idx, reg in np.ndenumerate(qf.registers):
+            piece = reg.owner.opview  # vector.extract_strided_slice of the 8-nibble word
+            offset = piece.offsets[0]
+            part = (offset.value if hasattr(offset, "value") else int(offset)) // 2
+            word = mu.bitcast(piece.source, i32)
+            pair_f16 = llvm.inline_asm(
+                i32, [word, arith.shrui(word, mu.c(4, i32)), scales[idx[4]], mins[idx[4]]],
+                f"""{{
+                .reg .b32 t, k;
+                prmt.b32 t, $1, $2, 0xF{part + 4}F{part};
+                lop3.b32 t, t, 0x000F000F, 0x64086408, 0x6a;
+                mov.b32 k, 0x64006400;
+                sub.f16x2 t, t, k;
+                fma.rn.f16x2 $0, t, $3, $4;
+                }}""",
+                "=r,r,r,r,r")
+            out[idx] = mu.bitcast(pair_f16, ir.VectorType.get((2,), ir.F16Type.get()))
+        return fa.FragmentedArray(_registers=out, _layout=qf.layout, _is_signed=None)
+
+    return convert(q, scale, neg_min)
+
+
+def _body(t: int, steps: int, stages: int, convert: str, w_gmem, x_gmem, codes_gmem, dd_gmem, o_gmem, o_smem):
     ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's 64 rows, as wgmma's accumulator holds them
     f32, f16 = jnp.float32, jnp.float16
@@ -145,14 +208,21 @@ def _body(t: int, steps: int, stages: int, w_gmem, x_gmem, codes_gmem, dd_gmem, 
     def step(_, w_smem, x_smem, codes_smem, dd_smem, acc_ref):
         d = plgpu.load(dd_smem.at[0], (), layout=row).astype(f32) * gain
         dmin = plgpu.load(dd_smem.at[1], (), layout=row).astype(f32) * gain
-        quants = w_smem[...]
+        if convert == "ptx":
+            quants = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+        else:
+            quants = w_smem[...]
         for j in range(SUB_BLOCKS):
             scale = d * plgpu.load(codes_smem.at[j], (), layout=row).astype(f32)
-            offset = 8.0 * scale - dmin * plgpu.load(codes_smem.at[SUB_BLOCKS + j], (), layout=row).astype(f32)
+            neg_min = -dmin * plgpu.load(codes_smem.at[SUB_BLOCKS + j], (), layout=row).astype(f32)
             cols = slice(j * GROUP, (j + 1) * GROUP)
-            q = quants[:, cols].astype(jnp.bfloat16).astype(f16)  # int4 -> bf16 is Mosaic's fast conversion
-            a = (q * jax.lax.broadcast_in_dim(scale.astype(f16), q.shape, [0])
-                 + jax.lax.broadcast_in_dim(offset.astype(f16), q.shape, [0]))
+            if convert == "ptx":
+                a = _f16_tile(quants[:, cols], scale.astype(f16), neg_min.astype(f16))
+            else:  # int4 -> bf16 is Mosaic's fast conversion; bf16 -> float16 a generic one
+                q = quants[:, cols].astype(jnp.bfloat16).astype(f16)
+                offset = 8.0 * scale + neg_min
+                a = (q * jax.lax.broadcast_in_dim(scale.astype(f16), q.shape, [0])
+                     + jax.lax.broadcast_in_dim(offset.astype(f16), q.shape, [0]))
             plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].T)
             plgpu.wgmma_wait(1)
 
@@ -177,10 +247,16 @@ def _body(t: int, steps: int, stages: int, w_gmem, x_gmem, codes_gmem, dd_gmem, 
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages"))
-def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "convert"))
+def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES,
+            convert: str | None = None) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU; K split over
-    `splits` programs (default: `default_splits`), `stages` pipeline steps in flight."""
+    `splits` programs (default: `default_splits`), `stages` pipeline steps in flight; `convert` ("ptx" or
+    "mosaic"; default `CONVERT`) how the quants become float16 weights (`_f16_tile`, or Mosaic's int4-to-bf16 and a
+    bf16-to-float16 conversion)."""
+    convert = convert or CONVERT
+    if convert not in CONVERTS:
+        raise ValueError(f"convert is one of {CONVERTS}, got {convert!r}")
     m, k = x.shape
     n, kw = w.shape
     if k != kw:
@@ -194,7 +270,7 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
     t = -(-m // 8) * 8
     xt = jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
     out = plgpu.kernel(
-        functools.partial(_body, t, nb // splits, stages),
+        functools.partial(_body, t, nb // splits, stages, convert),
         out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
         grid=(n // ROWS, splits), grid_names=("n", "k"),
         scratch_types=[plgpu.SMEM((ROWS, t), jnp.float32)],

@@ -345,9 +345,9 @@ def main() -> None:
     qm.PREFETCH.update(prefetch)
     qm.ASM.update({kernel: choice == "ptx" for kernel, choice in (("mma", args.dequant), ("gemv", args.gemv_dequant))
                    if choice})
+    mgpu = None if args.mgpu is None else bool(args.mgpu)
     set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
-                                                          ("WGMMA", args.wgmma),
-                                                          ("MGPU_LAYOUT", None if args.mgpu is None else bool(args.mgpu)))
+                                                          ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu))
                            if value is not None})
     if args.one_token == "tensor_cores":
         qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)

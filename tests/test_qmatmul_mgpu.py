@@ -1,6 +1,8 @@
 """The Mosaic GPU Q4_K kernel (pallas_kernels/qmatmul_mgpu.py): its layout and reference on a CPU, that it lowers
 for CUDA with no GPU, and (-m gpu) the compiled kernel against its reference at the 27B's Q4_K shapes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,15 +59,29 @@ def test_refuses_what_it_cannot_take():
         mg.qmatmul(jnp.zeros((4, 256)), w)
     with pytest.raises(ValueError, match="split 4 ways"):
         mg.qmatmul(jnp.zeros((4, 512)), w, splits=4)
+    with pytest.raises(ValueError, match="convert is one of"):
+        mg.qmatmul(jnp.zeros((4, 512)), w, convert="cvt")
 
 
-@pytest.mark.parametrize("m", [1, 23, 64])
-def test_lowers_for_cuda_on_a_cpu(m):
-    """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes) run without a GPU."""
+@pytest.mark.parametrize("m,convert", [(1, "ptx"), (23, "ptx"), (64, "ptx"), (23, "mosaic")])
+def test_lowers_for_cuda_on_a_cpu(m, convert):
+    """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes, the inline PTX's operands) run without a
+    GPU."""
     w = mg.pack(q4k(128, 1024))
     x = jnp.zeros((m, 1024), jnp.float32)
-    text = jax.jit(mg.qmatmul).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(functools.partial(mg.qmatmul, convert=convert)).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_both_conversions_round_the_weights_once_to_float16():
+    """The PTX form (q s - dmin m) and Mosaic's (q - 8 with 8 s - dmin m) are each the exact weight rounded once to
+    float16, within float16's rounding of their scale and offset."""
+    w = mg.pack(q4k(128, 512, seed=4))
+    exact = mg.dequantize(w) * 2.0 ** qm.F16_SHIFT
+    for convert in mg.CONVERTS:
+        got = mg.f16_weights(w, convert).astype(jnp.float32)
+        assert rel(got, exact) < 5e-4, convert
 
 
 def test_default_splits_divide_the_super_blocks():
@@ -108,12 +124,13 @@ Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 614
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", Q4K_27B)
 @pytest.mark.parametrize("m", [2, 16, 23, 32, 64])
-def test_kernel_at_27b_shapes(n, k, m):
+@pytest.mark.parametrize("convert", mg.CONVERTS)
+def test_kernel_at_27b_shapes(n, k, m, convert):
     w = mg.pack(q4k(n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
-    got = mg.qmatmul(x, w)
+    got = mg.qmatmul(x, w, convert=convert)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
-    assert rel(got, mg.reference(x, w)) < 1e-4
+    assert rel(got, mg.reference(x, w, convert)) < 1e-4
 
 
 @pytest.mark.gpu
@@ -129,4 +146,5 @@ def test_qmatmul_with_the_layout_at_27b_shapes(mgpu_layout):
     pw = qm.pack(q4k(17408, 5120, seed=5))
     x = jax.random.normal(jax.random.key(5), (23, 5120), jnp.float32)
     assert rel(qm.qmatmul(x, pw), mg.reference(x, pw.mgpu)) < 1e-4
-    assert rel(qm.qmatmul(x, pw, mgpu=False), qm.qmatmul_reference(x, pw, "f16x2")) < 4e-3  # BF16_TILES, test_qmatmul.py
+    triton = qm.qmatmul(x, pw, mgpu=False)
+    assert rel(triton, qm.qmatmul_reference(x, pw, "f16x2")) < 4e-3  # BF16_TILES of test_qmatmul.py
