@@ -42,7 +42,8 @@ GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
-CONVERT = "ptx"  # how the quants become float16 weights (`CONVERTS`, `qmatmul`)
+CONVERTS = ("ptx", "mosaic")  # how the quants become float16 weights (`qmatmul`)
+CONVERT = "ptx"  # 1.08-1.24x faster than "mosaic" on an H200 (scripts/results/qmatmul_mgpu_ptx_h200.txt)
 
 
 @jax.tree_util.register_dataclass
@@ -119,16 +120,17 @@ def dequantize(w: MgpuQ4K) -> jax.Array:
     return (q * scale[..., None] + offset[..., None]).reshape(w.shape)
 
 
-def f16_weights(w: MgpuQ4K, convert: str = "ptx") -> jax.Array:
-    """The float16 weights [N, K] the kernel multiplies: quants x scale + offset (`_terms`) with the scale and
-    offset times 2**F16_SHIFT in float16, rounded once (one fma)."""
-    q, scale, offset = _terms(w, convert)
+def f16_weights(w: MgpuQ4K, convert: str | None = None) -> jax.Array:
+    """The float16 weights [N, K] the kernel multiplies under `convert` (default `CONVERT`): quants x scale + offset
+    (`_terms`) with the scale and offset times 2**F16_SHIFT in float16, rounded once (one fma)."""
+    q, scale, offset = _terms(w, convert or CONVERT)
     scale, offset = (jnp.asarray(a * 2.0 ** F16_SHIFT, jnp.float16).astype(jnp.float32) for a in (scale, offset))
     return (q * scale[..., None] + offset[..., None]).reshape(w.shape).astype(jnp.float16)
 
 
-def reference(x: jax.Array, w: MgpuQ4K, convert: str = "ptx") -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them (`convert`)."""
+def reference(x: jax.Array, w: MgpuQ4K, convert: str | None = None) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them (`convert`,
+    default `CONVERT`)."""
     return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32),
                       f16_weights(w, convert).astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
@@ -145,17 +147,16 @@ def default_splits(n: int, k: int, target: int = 2048) -> int:
     return 1
 
 
-CONVERTS = ("ptx", "mosaic")
-
-
 def _f16_tile(q, scale, neg_min):
     """q [64, 32] int4 as loaded (WGMMA_UPCAST_4X layout: 8 nibbles a 32-bit register) -> float16 [64, 32] in WGMMA
-    layout = (q ^ 8) scale + neg_min per row. Mosaic GPU's relayout to WGMMA (a lane shuffle and a prmt per
-    register) leaves each register two nibbles of a 32-bit word; then, by inline PTX, a prmt puts
-    the two nibbles of a register in the low bits of two halves, a lop3 masks them, flips the stored sign bit (the
-    int4 holds q - 8) and adds float16's exponent of 1024, which makes 1024 + q exactly; a sub takes the 1024 off and
-    one fma applies the row's scale and negated min, two weights an instruction. The same part and byte order as
-    Mosaic GPU's own int4-to-bf16 conversion (fragmented_array.astype), which this replaces."""
+    layout, (q ^ 8) scale + neg_min per row.
+
+    Mosaic GPU's relayout to WGMMA (a lane shuffle and a prmt per register) leaves each register two nibbles of a
+    32-bit word. Then, by inline PTX, a prmt puts the two nibbles in the low bits of two halves; a lop3 masks them,
+    flips the stored sign bit (the int4 holds q - 8) and sets float16's exponent of 1024, which makes 1024 + q
+    exactly; a sub takes the 1024 off and one fma applies the row's scale and negated min, two weights an
+    instruction. The same part and byte order as Mosaic GPU's own int4-to-bf16 conversion (FragmentedArray.astype),
+    which this replaces."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
