@@ -57,8 +57,9 @@ def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | Non
 
 def load_models(target_path: str, draft_path: str | None, mode: str, impl: str = "auto",
                 progress: bool = True, mgpu: bool = False) -> Models:
-    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other; `mgpu` also packs the
-    target's Q4_K weights for the Mosaic GPU kernel (Hopper only, pallas_kernels/qmatmul_mgpu.py)."""
+    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other; `mgpu` packs the target's
+    Q4_K weights for the Mosaic GPU kernel (Hopper only, pallas_kernels/qmatmul_mgpu.py): in that layout alone for
+    the chain and tree engines, beside the GEMV's for ar, whose one-token products the GEMV serves faster."""
     from dflash_jax.load import load_draft, load_target
     from pallas_kernels import qmatmul as qm
     from pallas_kernels import qmatmul_mgpu
@@ -71,7 +72,9 @@ def load_models(target_path: str, draft_path: str | None, mode: str, impl: str =
     if mgpu and not qmatmul_mgpu.available():
         raise UsageError("--mgpu needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernel")
     t0 = time.perf_counter()
-    packing, qm.MGPU_LAYOUT = qm.MGPU_LAYOUT, mgpu or qm.MGPU_LAYOUT
+    packing = qm.MGPU_LAYOUT
+    if mgpu:
+        qm.MGPU_LAYOUT = True if mode == "ar" else "only"
     try:
         target = load_target(target_path, progress=progress, impl=impl)
     finally:
@@ -301,9 +304,10 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_integer("max_ctx", max_ctx, max_ctx_help, lower_bound=0)
     flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")
-    flags.DEFINE_boolean("mgpu", False, "Hopper GPUs: also pack the target's Q4_K weights for the Mosaic GPU kernel, "
-                         "which then takes products of 2-64 tokens (the tree verify, prefill): a 1.3x faster DDTree "
-                         "step on an H200, for a second copy of the Q4_K quants in device memory.")
+    flags.DEFINE_boolean("mgpu", False, "Hopper GPUs: the target's Q4_K products of 2-64 tokens (verify, prefill) "
+                         "on the Mosaic GPU kernel, a 1.3x faster DDTree step on an H200. Its layout replaces the "
+                         "Q4_K weights' for chain and ddtree; ar keeps both (a second copy in device memory) for its "
+                         "one-token GEMV.")
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.")
 

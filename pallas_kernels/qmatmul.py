@@ -76,7 +76,13 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self.data.values())
+        own = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self.data.values())
+        return own + (0 if self.mgpu is None else self.mgpu.nbytes)
+
+    @property
+    def mgpu_only(self) -> bool:
+        """Whether the weight is in the Mosaic GPU kernel's layout alone (`MGPU_LAYOUT` "only")."""
+        return self.mgpu is not None and not self.data
 
 
 def unit(fmt: str, k: int) -> int:
@@ -95,6 +101,9 @@ def pack(qt: QTensor) -> PackedWeight:
     if qt.fmt not in PACKED_FORMATS:
         raise NotImplementedError(f"the qmatmul kernel does not take {qt.fmt} weights (it takes "
                                   f"{', '.join(PACKED_FORMATS)}, F16, F32)")
+    mgpu = mgpu_layout(qt)
+    if mgpu is not None and MGPU_LAYOUT == "only":
+        return PackedWeight({}, qt.fmt, (n, k), mgpu=mgpu)
     nb = k // unit(qt.fmt, k)
     if qt.fmt == "Q8_0":
         data = {"qs": f["qs"].reshape(n, nb, 32), "d": f["d"].reshape(n, nb)}
@@ -109,12 +118,14 @@ def pack(qt: QTensor) -> PackedWeight:
                 "d": f["d"].reshape(n, nb), "dmin": f["dmin"].reshape(n, nb)}
         if qt.fmt == "Q5_K":
             data["qh"] = f["qh"].reshape(n, nb, 32)
-    return PackedWeight(data, qt.fmt, (n, k), f16_ok=f16_fits(qt.fmt, data), mgpu=mgpu_layout(qt))
+    return PackedWeight(data, qt.fmt, (n, k), f16_ok=f16_fits(qt.fmt, data), mgpu=mgpu)
 
 
 def mgpu_layout(qt: QTensor):
     """The Mosaic GPU kernel's layout of a Q4_K weight when `MGPU_LAYOUT` asks for it and the kernel takes the
     weight (rows a multiple of 64, float16 holds it; concrete arrays), else None."""
+    if MGPU_LAYOUT not in MGPU_LAYOUTS:
+        raise ValueError(f"MGPU_LAYOUT is one of {MGPU_LAYOUTS}, got {MGPU_LAYOUT!r}")
     if not MGPU_LAYOUT or qt.fmt != "Q4_K" or any(isinstance(a, jax.core.Tracer) for a in qt.data.values()):
         return None
     from pallas_kernels import qmatmul_mgpu  # imported here: qmatmul_mgpu builds on this module
@@ -365,6 +376,11 @@ def dequantize_packed(pw: PackedWeight, tile_math: str = "f32") -> jax.Array:
     with `tile_math` "bf16x2"/"f16x2", a Q4_K/Q6_K matrix as that kernel dequantizes it (`plane_tile_pairs_reference`,
     f16x2's 2**F16_SHIFT taken back off: exact)."""
     n, k = pw.shape
+    if pw.mgpu_only:  # the Mosaic kernel's float16 weights stand for f16x2's (the same arithmetic)
+        from pallas_kernels import qmatmul_mgpu  # imported here: qmatmul_mgpu builds on this module
+
+        return (qmatmul_mgpu.dequantize(pw.mgpu) if tile_math == "f32" else
+                qmatmul_mgpu.f16_weights(pw.mgpu).astype(jnp.float32) / weight_gain("f16x2"))
     get, tile_math = whole_rows(pw.data), tile_math if pw.fmt in PTX_FORMATS else "f32"
     out = jnp.zeros((n, k), jnp.float32)
     for plane, cols in enumerate(plane_columns(pw.fmt, k)):
@@ -451,11 +467,14 @@ WGMMA = False
 # SASS as reading the gathered copy (scripts/qmatmul_sass.py, x_view=0/1) and one launch less a product, but the
 # DDTree-22 step was 1.09x slower with it on an H100 (scripts/results/tree_xview_h100.txt), so off
 X_VIEW = False
-# Whether `pack` also lays out each Q4_K weight for the Mosaic GPU kernel (qmatmul_mgpu.py: TMA pipelines, wgmma with
-# the tokens on its N side), and whether products of 2-64 rows take it where that layout exists. On an H200 it made
-# the DDTree-22 step 1.31x faster (28.1 -> 21.5 ms, scripts/results/tree_mgpu_ptx_h200.txt) at the same accuracy,
-# but the one-token GEMV still reads the other layout, so the Q4_K quants are held twice: off until the GEMV reads
-# the new one
+# How `pack` lays out Q4_K weights for the Mosaic GPU kernel (qmatmul_mgpu.py: TMA pipelines, wgmma with the tokens on
+# its N side), where it takes them: False not at all; True beside the Triton kernels' layout, products of 2-64 rows
+# going to it (while `MGPU`) and one-token products to the GEMV, which reads only the other layout, so the quants are
+# held twice; "only" that layout alone, every product of the weight (one token padded to 8) going to it, for the tree
+# and chain engines, whose target multiplies one token only at a prompt's end. On an H200 it made the DDTree-22 step
+# 1.31x faster (28.1 -> 21.5 ms, scripts/results/tree_mgpu_ptx_h200.txt) at the same accuracy; off by default until
+# the layout-alone form has run on a GPU and a GEMV reads the layout (generate --mgpu turns it on)
+MGPU_LAYOUTS = (False, True, "only")
 MGPU_LAYOUT = False
 MGPU = True
 # Per format, how the tensor-core kernel dequantizes its tiles (`TILE_MATHS`; f32 for a weight f16x2 cannot hold).
@@ -707,7 +726,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     does not fit f16x2) is how the tensor-core kernel dequantizes Q4_K/Q6_K tiles: "f32", "bf16x2" or "f16x2"
     (`plane_tile_mma`; f16x2 also multiplies x in float16). `mgpu` (default `MGPU`): whether a product of 2-64 rows
     with a weight that carries the Mosaic GPU layout (`pw.mgpu`, `MGPU_LAYOUT`) takes that kernel (GPU only; the
-    other options then do not apply)."""
+    other options then do not apply); a weight in that layout alone (`pw.mgpu_only`) takes it for every product."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -715,7 +734,10 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
     if m > M_MAX:
         raise ValueError(f"qmatmul takes at most {M_MAX} rows, got {m}")
     gemv = m == 1 if gemv is None else gemv
-    if pw.mgpu is not None and (MGPU if mgpu is None else mgpu) and not gemv and not interpret:
+    if pw.mgpu_only and (interpret or mgpu is False):
+        raise ValueError("this weight is packed for the Mosaic GPU kernel alone (MGPU_LAYOUT 'only'), which runs on "
+                         "a Hopper GPU, not in interpret mode or with mgpu=False")
+    if pw.mgpu_only or (pw.mgpu is not None and (MGPU if mgpu is None else mgpu) and not gemv and not interpret):
         from pallas_kernels import qmatmul_mgpu  # imported here: qmatmul_mgpu builds on this module
 
         return qmatmul_mgpu.qmatmul(x, pw.mgpu)

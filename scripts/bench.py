@@ -332,9 +332,11 @@ def main() -> None:
     ap.add_argument("--wgmma", type=int, choices=(0, 1), default=None,
                     help="the tensor-core kernel with weight rows first in its products (Hopper's wgmma; default: "
                          "qmatmul.WGMMA)")
-    ap.add_argument("--mgpu", type=int, choices=(0, 1), default=None,
+    ap.add_argument("--mgpu", type=int, choices=(0, 1, 2), default=None,
                     help="1: Q4_K weights also packed for the Mosaic GPU kernel, which then takes their products of "
-                         "2-64 tokens (qmatmul.MGPU_LAYOUT; Hopper; the Q4_K quants are held twice)")
+                         "2-64 tokens (qmatmul.MGPU_LAYOUT True; Hopper; the Q4_K quants are held twice); 2: in that "
+                         "layout alone, every Q4_K product on that kernel (MGPU_LAYOUT 'only', as generate --mgpu "
+                         "for chain and ddtree)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):
@@ -345,7 +347,7 @@ def main() -> None:
     qm.PREFETCH.update(prefetch)
     qm.ASM.update({kernel: choice == "ptx" for kernel, choice in (("mma", args.dequant), ("gemv", args.gemv_dequant))
                    if choice})
-    mgpu = None if args.mgpu is None else bool(args.mgpu)
+    mgpu = None if args.mgpu is None else qm.MGPU_LAYOUTS[args.mgpu]
     set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
                                                           ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu))
                            if value is not None})

@@ -118,6 +118,36 @@ def test_qmatmul_takes_the_mosaic_kernel_for_two_rows_or_more(mgpu_layout):
                                   np.asarray(qm.qmatmul(x, plain, interpret=True)))
 
 
+@pytest.fixture
+def mgpu_only(monkeypatch):
+    monkeypatch.setattr(qm, "MGPU_LAYOUT", "only")
+
+
+def test_the_mosaic_layout_alone_replaces_the_q4k_fields(mgpu_only):
+    """MGPU_LAYOUT "only": the Mosaic layout is the weight's only copy (its bytes, its values), weights the kernel
+    cannot take keep the Triton layout, every product of it is the Mosaic kernel (one token too), and where that
+    cannot run (interpret mode, mgpu=False) qmatmul says so."""
+    qt = q4k(128, 512)
+    pw = qm.pack(qt)
+    assert pw.mgpu_only and pw.data == {} and pw.nbytes == pw.mgpu.nbytes == mg.pack(qt).nbytes
+    np.testing.assert_array_equal(np.asarray(qm.dequantize_packed(pw)), np.asarray(dequantize(qt)))
+    assert not qm.pack(q4k(48, 512)).mgpu_only and qm.pack(q4k(48, 512)).data
+    for m in (1, 23):
+        x = jnp.zeros((m, 512), jnp.float32)
+        text = jax.jit(qm.qmatmul).trace(x, pw).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and "triton" not in text, m
+    with pytest.raises(ValueError, match="Mosaic GPU kernel alone"):
+        qm.qmatmul(jnp.zeros((2, 512)), pw, interpret=True)
+    with pytest.raises(ValueError, match="Mosaic GPU kernel alone"):
+        qm.qmatmul(jnp.zeros((2, 512)), pw, mgpu=False)
+
+
+def test_mgpu_layout_values_are_checked(monkeypatch):
+    monkeypatch.setattr(qm, "MGPU_LAYOUT", "both")
+    with pytest.raises(ValueError, match="MGPU_LAYOUT is one of"):
+        qm.pack(q4k(64, 256))
+
+
 Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 6144), (12288, 5120)]
 
 
@@ -148,3 +178,11 @@ def test_qmatmul_with_the_layout_at_27b_shapes(mgpu_layout):
     assert rel(qm.qmatmul(x, pw), mg.reference(x, pw.mgpu)) < 1e-4
     triton = qm.qmatmul(x, pw, mgpu=False)
     assert rel(triton, qm.qmatmul_reference(x, pw, "f16x2")) < 4e-3  # BF16_TILES of test_qmatmul.py
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 23])
+def test_the_mosaic_layout_alone_at_27b_shapes(mgpu_only, m):
+    pw = qm.pack(q4k(17408, 5120, seed=6))
+    x = jax.random.normal(jax.random.key(6), (m, 5120), jnp.float32)
+    assert pw.mgpu_only and rel(qm.qmatmul(x, pw), mg.reference(x, pw.mgpu)) < 1e-4
