@@ -137,15 +137,21 @@ def mgpu_layout(qt: QTensor):
 
 
 def f16_fits(fmt: str, data: dict[str, jax.Array]) -> bool:
-    """Whether a Q4_K/Q6_K weight dequantizes in float16 after scaling by 2**F16_SHIFT (`f16x2`): every intermediate
-    q * scale and neg_min stays under 2**15 (float16 holds 65504); False for other formats and for traced arrays."""
+    """Whether a Q4_K/Q6_K weight dequantizes in float16 after scaling by 2**F16_SHIFT (`f16x2`, `f16_holds`);
+    False for other formats and for traced arrays."""
     if fmt not in PTX_FORMATS or any(isinstance(a, jax.core.Tracer) for a in data.values()):
         return False
-    q_max, bound = 63 if fmt == "Q6_K" else 15, jnp.float32(0)
+    terms = []
     for plane in range(N_PLANES[fmt]):
         scale, neg_min = _ptx_scales(fmt, plane, whole_rows(data))
-        neg_min = 32 * scale if neg_min is None else neg_min  # Q6_K: (q - 32) * scale
-        bound = jnp.maximum(bound, (q_max * jnp.abs(scale) + jnp.abs(neg_min)).max())
+        terms.append((scale, 32 * scale if neg_min is None else neg_min))  # Q6_K: (q - 32) * scale
+    return f16_holds(63 if fmt == "Q6_K" else 15, *terms)
+
+
+def f16_holds(q_max: int, *terms: tuple[jax.Array, jax.Array]) -> bool:
+    """Whether every q * scale and neg_min of quants 0..q_max, for each (scale, neg_min) given, stays under 2**15
+    once scaled by 2**F16_SHIFT (float16 holds 65504): what f16x2 tiles and the Mosaic GPU kernel need."""
+    bound = jnp.max(jnp.stack([(q_max * jnp.abs(scale) + jnp.abs(neg_min)).max() for scale, neg_min in terms]))
     return bool(bound * weight_gain("f16x2") < 2 ** 15)
 
 

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax.quant import QK_K, QTensor, k_scale_min
-from pallas_kernels.qmatmul import F16_SHIFT, x_operand
+from pallas_kernels.qmatmul import F16_SHIFT, f16_holds, sum_splits, x_operand
 
 ROWS = 64  # weight rows per program: one warpgroup, wgmma's M
 GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
@@ -65,7 +65,8 @@ def pack(qt: QTensor) -> MgpuQ4K:
     """A Q4_K QTensor in this kernel's layout (once, at load); refuses other formats, rows not a multiple of 64 and
     weights whose float16 form would overflow (`f16_fits`)."""
     if qt.fmt != "Q4_K":
-        raise NotImplementedError(f"the Mosaic GPU kernel takes Q4_K weights, got {qt.fmt}")
+        raise NotImplementedError(f"the Mosaic GPU kernel is implemented for Q4_K weights only, not {qt.fmt} (Q5_K "
+                                  "and Q6_K are not written yet): qmatmul.pack and the Triton kernels take them")
     n, k = qt.shape
     if n % ROWS:
         raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {n}")
@@ -109,9 +110,8 @@ def _terms(w: MgpuQ4K, convert: str) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def f16_fits(w: MgpuQ4K) -> bool:
     """Whether every weight, scale and offset of either form (`_terms`) times 2**F16_SHIFT stays under 2**15 in
-    float16 (65504 is its largest value): 15 |scale| + |neg_min| bounds them."""
-    scale, neg_min = _scales(w)
-    return bool((15 * jnp.abs(scale) + jnp.abs(neg_min)).max() * 2.0 ** F16_SHIFT < 2 ** 15)
+    float16 (`f16_holds`: 15 |scale| + |neg_min| bounds them)."""
+    return f16_holds(15, _scales(w))
 
 
 def dequantize(w: MgpuQ4K) -> jax.Array:
@@ -277,4 +277,4 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
         scratch_types=[plgpu.SMEM((ROWS, t), jnp.float32)],
         kernel_name="qmatmul_mgpu_q4_k",
     )(w.q, xt, w.codes, w.dd)
-    return jnp.sum(out, axis=0)[:, :m].T
+    return sum_splits(out, n, m).T  # out is [splits, N, tokens]

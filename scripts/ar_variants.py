@@ -35,7 +35,6 @@ from bench import NO_STOPS, engine_for, make_models  # noqa: E402
 from benchlib import copy_rate, environment, parse_options, qmatmul_defaults, set_qmatmul_defaults  # noqa: E402
 
 from pallas_kernels import qmatmul as qm  # noqa: E402
-from pallas_kernels import qmatmul_mgpu as mg  # noqa: E402
 
 def _set_tile(index: int):
     def set_tile(value: int) -> None:
@@ -54,7 +53,7 @@ SETTERS = {**{f"{kernel}_asm": (lambda v, k=kernel: qm.ASM.__setitem__(k, bool(v
               for fmt in qm.PACKED_FORMATS},
            "mma_x_view": lambda v: setattr(qm, "X_VIEW", bool(v)),
            "mgpu": lambda v: setattr(qm, "MGPU", bool(v)),
-           "mgpu_convert": lambda v: setattr(mg, "CONVERT", v),
+           "mgpu_convert": lambda v: set_qmatmul_defaults({"CONVERT": v}),
            **{f"mma_tile_math_{fmt.lower()}": (lambda v, f=fmt: qm.TILE_MATH.__setitem__(f, v))
               for fmt in qm.TILE_MATH}}
 
@@ -103,13 +102,13 @@ def main() -> None:
                          "variants mgpu=0 and mgpu=1 compare it with the Triton kernel on the same weights")
     args = ap.parse_args()
     variants = {spec: options(spec) for spec in args.variants}
-    shipped, shipped_convert = qmatmul_defaults(), mg.CONVERT
+    shipped = qmatmul_defaults()
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)  # noqa: E731
     res: dict = {**environment(), "args": vars(args) | {"out": str(args.out)}, "rows": []}
     scale = 1.0 if jax.default_backend() == "gpu" else 0.125
     res["copy_rate"] = copy_rate(scale)
-    qm.MGPU_LAYOUT = args.mgpu_layout
+    set_qmatmul_defaults({"MGPU_LAYOUT": args.mgpu_layout})  # at packing; `shipped` puts it back at the end
     target, draft, info = make_models(args.model, args.impl, log)
     floor_ms = 1e3 * info["step_weight_bytes"] / res["copy_rate"]
     log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s, models made in {info['make_s']:.0f} s, "
@@ -120,7 +119,6 @@ def main() -> None:
     try:
         for spec, opts in variants.items():
             set_qmatmul_defaults(shipped)
-            mg.CONVERT = shipped_convert
             for key, value in opts.items():
                 SETTERS[key](value)
             jax.clear_caches()
@@ -134,11 +132,10 @@ def main() -> None:
                                asm=dict(qm.ASM), prefetch=dict(qm.PREFETCH), int8_x=qm.INT8_X,
                                int8_tiles=qm.GEMV_INT8_TILES, mma_stages=dict(qm.MMA_STAGES),
                                x_view=qm.X_VIEW, tile_math=dict(qm.TILE_MATH), mgpu=qm.MGPU,
-                               mgpu_convert=mg.CONVERT)
+                               mgpu_convert=qmatmul_defaults()["CONVERT"])
             log(f"{spec:32s} compiled and run once in {first[spec]['compile_s']:.0f} s")
     finally:
         set_qmatmul_defaults(shipped)
-        mg.CONVERT = shipped_convert
     for rnd in range(args.rounds):
         for spec, engine in engines.items():
             times, lengths = [], []

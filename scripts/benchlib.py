@@ -17,27 +17,34 @@ import jax
 import jax.numpy as jnp
 
 
-# qmatmul's module-level kernel choices and tiles, which a benchmark may change for one run
+# the module-level kernel choices and tiles of qmatmul (and of qmatmul_mgpu: CONVERT), which a benchmark may change
+# for one run
 QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
-                    "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "qmatmul")
+                    "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "CONVERT", "qmatmul")
+
+
+def _module_of(name: str):
+    """The kernel module that holds default `name`: qmatmul, else qmatmul_mgpu."""
+    from pallas_kernels import qmatmul as qm
+    from pallas_kernels import qmatmul_mgpu as mg
+
+    return qm if hasattr(qm, name) else mg
 
 
 def qmatmul_defaults() -> dict:
-    """A copy of qmatmul's kernel defaults (`QMATMUL_DEFAULTS`), for `set_qmatmul_defaults` to put back."""
-    from pallas_kernels import qmatmul as qm
-
-    return {name: dict(v) if isinstance(v := getattr(qm, name), dict) else v for name in QMATMUL_DEFAULTS}
+    """A copy of the kernel defaults (`QMATMUL_DEFAULTS`), for `set_qmatmul_defaults` to put back."""
+    return {name: dict(v) if isinstance(v := getattr(_module_of(name), name), dict) else v
+            for name in QMATMUL_DEFAULTS}
 
 
 def set_qmatmul_defaults(defaults: dict) -> None:
-    """Set qmatmul's kernel defaults named in `defaults` (dicts updated in place, as the kernels read them)."""
-    from pallas_kernels import qmatmul as qm
-
+    """Set the kernel defaults named in `defaults` (dicts updated in place, as the kernels read them)."""
     for name, value in defaults.items():
-        if isinstance(getattr(qm, name), dict):
-            getattr(qm, name).update(value)
+        module = _module_of(name)
+        if isinstance(getattr(module, name), dict):
+            getattr(module, name).update(value)
         else:
-            setattr(qm, name, value)
+            setattr(module, name, value)
 
 
 def median_seconds(fn, *args, iters: int = 10) -> float:
