@@ -337,6 +337,8 @@ def main() -> None:
                          "2-64 tokens (qmatmul.MGPU_LAYOUT True; Hopper; the Q4_K quants are held twice); 2: in that "
                          "layout alone, every Q4_K product on that kernel (MGPU_LAYOUT 'only', as generate --mgpu "
                          "for chain and ddtree)")
+    ap.add_argument("--mgpu_order", choices=("wgmma", "natural"), default=None,
+                    help="how the Mosaic GPU layout orders each 32-column group's quants (qmatmul_mgpu.ORDER)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):
@@ -349,7 +351,8 @@ def main() -> None:
                    if choice})
     mgpu = None if args.mgpu is None else qm.MGPU_LAYOUTS[args.mgpu]
     set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
-                                                          ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu))
+                                                          ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu),
+                                                          ("ORDER", args.mgpu_order))
                            if value is not None})
     if args.one_token == "tensor_cores":
         qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)

@@ -7,12 +7,15 @@ on the same weights. Rate = the weight's GGUF bytes / time (the packed layout re
 listed). Each timed call runs the product over enough copies of the weight to be several times the L2, so the
 weights stream from HBM. Each product has two times: the median wall time of a call over its copies (us, ratio),
 which includes the call's dispatch and the wait for it, and the GPU kernel time of a traced call over its copies
-(kernel_us, kernel_ratio; benchlib.kernel_seconds), which does not. `--sweep` also times tile variants, `--splits`
-the K split over 1, 2, 4 and 8 programs, `--variants` any qmatmul options (e.g. `asm=1,prefetch=1`).
+(kernel_us, kernel_ratio: its GPU events summed, as benchlib.kernel_seconds), which does not; kernels_us splits it
+by kernel (the product's own and XLA's around it), and each line names the longest. `--sweep` also times tile
+variants, `--splits` the K split over 1, 2, 4 and 8 programs, `--variants` any qmatmul options (e.g.
+`asm=1,prefetch=1`).
 
 qmatmul_mgpu: the Mosaic GPU Q4_K kernel (pallas_kernels/qmatmul_mgpu.py) on the 27B's Q4_K shapes at each `--m`,
 beside qmatmul on the same weights in the same run; its rate also counts GGUF bytes (its layout reads 2.8 % more).
-`--variants` options apply to it here (e.g. `splits=2`, `stages=4`).
+`--variants` options apply to it here (e.g. `splits=2`, `stages=4`; `order=natural` packs the quants in that
+order).
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
@@ -40,8 +43,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import (copy_rate, environment, gdn_layer_inputs, kernel_seconds, median_seconds,  # noqa: E402
-                      parse_options)
+from benchlib import (copy_rate, environment, gdn_layer_inputs, median_seconds,  # noqa: E402
+                      parse_options, traced_gpu_events)
 
 from dflash_jax.config import load_target_config  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
@@ -90,14 +93,19 @@ def _times(run, x, weights, gguf_bytes: int, copy: float) -> dict:
     """Wall and (on a GPU) kernel time per product of `run(x, weights)`, with GGUF bytes/s and its ratio to `copy`."""
     t = median_seconds(run, x, weights) / len(weights)
     out = dict(us=t * 1e6, gguf_bytes=gguf_bytes, rate=gguf_bytes / t, ratio=gguf_bytes / t / copy)
-    kt = kernel_seconds(run, x, weights) / len(weights)
+    calls = 3
+    per_kernel = {}  # GPU time per product of each kernel the call runs (the product's own, XLA's around it)
+    for name, _, ns in traced_gpu_events(run, x, weights, calls=calls):
+        per_kernel[name] = per_kernel.get(name, 0.0) + ns / 1e3 / calls / len(weights)
+    kt = sum(per_kernel.values()) / 1e6
     if kt > 0:  # a trace without GPU events (a CPU run) has no kernel time
-        out.update(kernel_us=kt * 1e6, kernel_ratio=gguf_bytes / kt / copy)
+        out.update(kernel_us=kt * 1e6, kernel_ratio=gguf_bytes / kt / copy, kernels_us=per_kernel)
     return out
 
 
 def _line(name: str, fmt: str, m: int, what: str, r: dict) -> str:
-    kernel = f"  kernel {r['kernel_us']:7.1f} us {r['kernel_ratio']:5.2f}" if "kernel_us" in r else ""
+    longest = f" (longest {max(r['kernels_us'].values()):.1f})" if "kernels_us" in r else ""
+    kernel = f"  kernel {r['kernel_us']:7.1f} us {r['kernel_ratio']:5.2f}{longest}" if "kernel_us" in r else ""
     return (f"  {name:12s} {fmt} M={m:2d} {what:45s} {r['us']:8.1f} us {r['rate'] / 1e12:5.2f} TB/s  "
             f"{r['ratio']:5.2f} of copy{kernel}")
 
@@ -153,21 +161,31 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
         if fmt != "Q4_K" or (only and f"{name}:{fmt}" not in only):
             continue
         qts, gguf_bytes = _copies(fmt, n, k)
-        kernels = {"qmatmul": ([qm.pack(q) for q in qts], qm.qmatmul, [dict()]),
-                   "qmatmul_mgpu": ([mg.pack(q) for q in qts], mg.qmatmul, [dict(), *extra])}
+        packed = {"qmatmul": [qm.pack(q) for q in qts]}  # and qmatmul_mgpu's per order, packed when first asked
+        kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": (mg.qmatmul, [dict(), *extra])}
         exact_w = dequantize(qts[0])
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
             exact = jnp.einsum("mk,nk->mn", x, exact_w, precision=jax.lax.Precision.HIGHEST)
-            for kernel, (weights, fn, variants) in kernels.items():
+            for kernel, (fn, variants) in kernels.items():
                 for opts in variants:
-                    run = jax.jit(lambda x, ws, fn=fn, o=opts: [fn(x, w, **o) for w in ws])
-                    err = float(jnp.linalg.norm(run(x, weights[:1])[0] - exact) / jnp.linalg.norm(exact))
+                    if kernel == "qmatmul":
+                        weights, call = packed[kernel], opts
+                    else:  # `order` is the layout's (pack's), the rest the call's
+                        order = opts.get("order", mg.ORDER)
+                        weights = packed.setdefault(order, [mg.pack(q, order) for q in qts])
+                        call = {key: v for key, v in opts.items() if key != "order"}
+                    run = jax.jit(lambda x, ws, fn=fn, o=call: [fn(x, w, **o) for w in ws])
+                    try:
+                        err = float(jnp.linalg.norm(run(x, weights[:1])[0] - exact) / jnp.linalg.norm(exact))
+                    except ValueError as e:  # an option this shape cannot take (a split that does not divide K)
+                        print(f"  {name} {fmt} M={m} {opts}: {e}", flush=True)
+                        continue
                     times = _times(run, x, weights, gguf_bytes, copy)
                     rows.append(dict(kernel=kernel, matrix=name, fmt=fmt, n=n, k=k, m=m, **opts, rel_err=err,
                                      **times))
                     print(_line(name, fmt, m, f"{kernel} {opts or ''}", times) + f"  err {err:.1e}", flush=True)
-        del qts, kernels
+        del qts, packed
     return rows
 
 

@@ -15,6 +15,7 @@ from dflash_jax.engine.state import init_state
 from dflash_jax.load import load_target
 from dflash_jax.testing.random_weights import random_qtensor
 from pallas_kernels import qmatmul as qm
+from pallas_kernels import qmatmul_mgpu
 from pallas_kernels.gemv_int8 import gemv_int8_reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -340,11 +341,18 @@ def test_inline_ptx_tiles_match_their_float32_form(fmt, m):
     assert rel(got, qm.qmatmul_reference(x, pw)) < (1e-5 if m == 1 else tiles_tol(fmt))
 
 
-def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path):
-    """The whole tiny model through the kernel (interpret mode on CPU: 15-25 s) against HF's float32 logits."""
+@pytest.mark.parametrize("mgpu_layout", [False, pytest.param(True, marks=pytest.mark.gpu),
+                                         pytest.param("only", marks=pytest.mark.gpu)])
+def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path, monkeypatch, mgpu_layout):
+    """The whole tiny model through the kernel (interpret mode on CPU: 15-25 s) against HF's float32 logits; on a
+    Hopper GPU also with the Mosaic GPU kernel's layout beside the Q4_K weights' (True) or alone ("only")."""
+    if mgpu_layout and not qmatmul_mgpu.available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    monkeypatch.setattr(qm, "MGPU_LAYOUT", mgpu_layout)
     model = load_target(tiny_gguf_path, progress=False, impl="pallas")
-    assert any(isinstance(x, qm.PackedWeight) for x in jax.tree.leaves(
-        model.params, is_leaf=lambda x: isinstance(x, qm.PackedWeight)))
+    packed = [x for x in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, qm.PackedWeight))
+              if isinstance(x, qm.PackedWeight)]
+    assert packed and any(p.mgpu is not None for p in packed) == bool(mgpu_layout)
     refs = np.load(TINY / "ref.npz")
     ids = np.load(TINY / "tokens.npy")
     logits = np.concatenate([np.asarray(lg) for _, lg, _, _ in prefill_chunks(

@@ -22,12 +22,37 @@ def q4k(n: int, k: int, seed: int = 0):
     return random_matrix(jax.random.key(seed), "Q4_K", (n, k))
 
 
-def test_layout_holds_the_gguf_values_exactly():
+@pytest.mark.parametrize("order", mg.ORDERS)
+def test_layout_holds_the_gguf_values_exactly(order):
     qt = q4k(128, 768)
-    w = mg.pack(qt)
+    w = mg.pack(qt, order)
+    assert w.order == order
     assert w.q.dtype == jnp.int4 and w.codes.shape == (3 * 16, 128) and w.dd.shape == (3 * 2, 128)
     np.testing.assert_array_equal(np.asarray(mg.dequantize(w)), np.asarray(dequantize(qt)))
     assert w.nbytes == 128 * 768 // 256 * (128 + 16 + 4)  # 148 bytes a super-block: the GGUF's 144 + 2.8 %
+
+
+def f16_words(word: np.ndarray) -> np.ndarray:
+    """uint32 words -> their two float16 halves, low first, as float32 [..., 2]."""
+    return word.astype("<u4").view("<f2").reshape(*word.shape, 2).astype(np.float32)
+
+
+def test_wgmma_order_gives_each_lane_its_wgmma_registers():
+    """An emulation of `_f16_tile_wgmma` on a 32-column group: lane c of a row takes stored positions 8c..8c+7 as
+    one word (WGMMA_UPCAST_4X, nibble p = position 8c + p); its register t, made by the kernel's lop3 and sub from
+    the word (shifted right by 8 for t = 2, 3), holds the quants of columns 8t + 2c and 8t + 2c + 1 (WGMMA layout)."""
+    qt = q4k(64, 256, seed=7)
+    natural, stored = (np.asarray(mg.pack(qt, o).q.astype(jnp.int32)) for o in ("natural", "wgmma"))
+    q = natural + 8
+    assert sorted(mg.WGMMA_PERM) == list(range(32))
+    for c in range(4):
+        word = sum((stored[:, 8 * c + p: 256: 32].astype(np.uint32) & 0xF) << (4 * p) for p in range(8))
+        for t in range(4):
+            shifted = word >> (8 * (t // 2))
+            mask, xor, magic = mg.NIBBLE_FIELDS[t % 2]
+            got = f16_words((shifted & mask) ^ (xor * 0x10001)) - f16_words(np.array([magic], np.uint32))[0, 0]
+            np.testing.assert_array_equal(got[..., 0], q[:, 8 * t + 2 * c: 256: 32])
+            np.testing.assert_array_equal(got[..., 1], q[:, 8 * t + 2 * c + 1: 256: 32])
 
 
 def test_reference_is_the_float16_product():
@@ -61,13 +86,24 @@ def test_refuses_what_it_cannot_take():
         mg.qmatmul(jnp.zeros((4, 512)), w, splits=4)
     with pytest.raises(ValueError, match="convert is one of"):
         mg.qmatmul(jnp.zeros((4, 512)), w, convert="cvt")
+    with pytest.raises(ValueError, match="rows per program"):
+        mg.qmatmul(jnp.zeros((4, 512)), w, rows=128)  # 64 rows
+    with pytest.raises(ValueError, match="inline PTX only"):
+        mg.qmatmul(jnp.zeros((4, 512)), w, convert="mosaic")
+    with pytest.raises(ValueError, match="order is one of"):
+        mg.pack(q4k(64, 256), "rows")
 
 
-@pytest.mark.parametrize("m,convert", [(1, "ptx"), (23, "ptx"), (64, "ptx"), (23, "mosaic")])
-def test_lowers_for_cuda_on_a_cpu(m, convert):
+# (order, convert): the default, then the natural order's two conversions
+FORMS = [("wgmma", "ptx"), ("natural", "ptx"), ("natural", "mosaic")]
+
+
+@pytest.mark.parametrize("m,order,convert", [(1, *FORMS[0]), (23, *FORMS[0]), (64, *FORMS[0]),
+                                             (23, *FORMS[1]), (23, *FORMS[2])])
+def test_lowers_for_cuda_on_a_cpu(m, order, convert):
     """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes, the inline PTX's operands) run without a
     GPU."""
-    w = mg.pack(q4k(128, 1024))
+    w = mg.pack(q4k(128, 1024), order)
     x = jnp.zeros((m, 1024), jnp.float32)
     text = jax.jit(functools.partial(mg.qmatmul, convert=convert)).trace(x, w).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -76,12 +112,15 @@ def test_lowers_for_cuda_on_a_cpu(m, convert):
 
 def test_both_conversions_round_the_weights_once_to_float16():
     """The PTX form (q s - dmin m) and Mosaic's (q - 8 with 8 s - dmin m) are each the exact weight rounded once to
-    float16, within float16's rounding of their scale and offset."""
-    w = mg.pack(q4k(128, 512, seed=4))
+    float16, within float16's rounding of their scale and offset; the "wgmma" order's are the PTX form's."""
+    qt = q4k(128, 512, seed=4)
+    w = mg.pack(qt, "natural")
     exact = mg.dequantize(w) * 2.0 ** qm.F16_SHIFT
     for convert in mg.CONVERTS:
         got = mg.f16_weights(w, convert).astype(jnp.float32)
         assert rel(got, exact) < 5e-4, convert
+    np.testing.assert_array_equal(np.asarray(mg.f16_weights(mg.pack(qt, "wgmma"))),
+                                  np.asarray(mg.f16_weights(w, "ptx")))
 
 
 def test_default_splits_divide_the_super_blocks():
@@ -153,10 +192,10 @@ Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 614
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", Q4K_27B)
-@pytest.mark.parametrize("m", [2, 16, 23, 32, 64])
-@pytest.mark.parametrize("convert", mg.CONVERTS)
-def test_kernel_at_27b_shapes(n, k, m, convert):
-    w = mg.pack(q4k(n, k, seed=m))
+@pytest.mark.parametrize("m,order,convert", [(m, *FORMS[0]) for m in (2, 16, 23, 32, 64)]
+                         + [(m, *form) for m in (2, 23) for form in FORMS[1:]])
+def test_kernel_at_27b_shapes(n, k, m, order, convert):
+    w = mg.pack(q4k(n, k, seed=m), order)
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     got = mg.qmatmul(x, w, convert=convert)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
@@ -164,11 +203,13 @@ def test_kernel_at_27b_shapes(n, k, m, convert):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,stages", [(1, 2), (2, 4)])
-def test_kernel_options(splits, stages):
-    w = mg.pack(q4k(1024, 5120, seed=3))
-    x = jax.random.normal(jax.random.key(3), (5, 5120), jnp.float32)
-    assert rel(mg.qmatmul(x, w, splits=splits, stages=stages), mg.reference(x, w)) < 1e-4
+@pytest.mark.parametrize("splits,stages,rows", [(1, 2, 64), (2, 4, 128), (4, 3, 256)])
+@pytest.mark.parametrize("order", mg.ORDERS)
+def test_kernel_options(splits, stages, rows, order):
+    w = mg.pack(q4k(1024, 5120, seed=3), order)
+    for m in (5, 40):
+        x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
+        assert rel(mg.qmatmul(x, w, splits=splits, stages=stages, rows=rows), mg.reference(x, w)) < 1e-4
 
 
 @pytest.mark.gpu
