@@ -55,26 +55,34 @@ def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | Non
     return target, draft
 
 
+def mgpu_layout(mode: str, mgpu: bool | None) -> bool | str:
+    """How to pack the target's Q4_K weights for the Mosaic GPU kernel (qmatmul.MGPU_LAYOUT; Hopper only,
+    pallas_kernels/qmatmul_mgpu.py): in that layout alone for the chain and tree engines, beside the GEMV's for ar,
+    whose one-token products the GEMV serves; `mgpu` None: for chain and ddtree where the GPU can run it."""
+    from pallas_kernels import qmatmul_mgpu
+
+    if mgpu is None:
+        mgpu = mode != "ar" and qmatmul_mgpu.available()
+    elif mgpu and not qmatmul_mgpu.available():
+        raise UsageError("--mgpu needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernel")
+    return (True if mode == "ar" else "only") if mgpu else False
+
+
 def load_models(target_path: str, draft_path: str | None, mode: str, impl: str = "auto",
-                progress: bool = True, mgpu: bool = False) -> Models:
-    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other; `mgpu` packs the target's
-    Q4_K weights for the Mosaic GPU kernel (Hopper only, pallas_kernels/qmatmul_mgpu.py): in that layout alone for
-    the chain and tree engines, beside the GEMV's for ar, whose one-token products the GEMV serves faster."""
+                progress: bool = True, mgpu: bool | None = None) -> Models:
+    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other; the target's Q4_K weights
+    packed for the Mosaic GPU kernel as `mgpu_layout` says."""
     from dflash_jax.load import load_draft, load_target
     from pallas_kernels import qmatmul as qm
-    from pallas_kernels import qmatmul_mgpu
 
     for path in (target_path, draft_path):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file or directory")
     if mode != "ar" and draft_path is None:
         raise UsageError(f"--mode {mode} needs a drafter: pass --draft DIR (or use --mode ar)")
-    if mgpu and not qmatmul_mgpu.available():
-        raise UsageError("--mgpu needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernel")
+    layout = mgpu_layout(mode, mgpu)
     t0 = time.perf_counter()
-    packing = qm.MGPU_LAYOUT
-    if mgpu:
-        qm.MGPU_LAYOUT = True if mode == "ar" else "only"
+    packing, qm.MGPU_LAYOUT = qm.MGPU_LAYOUT, layout
     try:
         target = load_target(target_path, progress=progress, impl=impl)
     finally:
@@ -304,10 +312,10 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_integer("max_ctx", max_ctx, max_ctx_help, lower_bound=0)
     flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")
-    flags.DEFINE_boolean("mgpu", False, "Hopper GPUs: the target's Q4_K products of 2-64 tokens (verify, prefill) "
+    flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K products of 2-64 tokens (verify, prefill) "
                          "on the Mosaic GPU kernel, a 1.3x faster DDTree step on an H200. Its layout replaces the "
                          "Q4_K weights' for chain and ddtree; ar keeps both (a second copy in device memory) for its "
-                         "one-token GEMV.")
+                         "one-token GEMV. Default: on for chain and ddtree on a Hopper GPU, else off (--nomgpu).")
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.")
 

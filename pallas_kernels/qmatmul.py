@@ -478,8 +478,9 @@ X_VIEW = False
 # going to it (while `MGPU`) and one-token products to the GEMV, which reads only the other layout, so the quants are
 # held twice; "only" that layout alone, every product of the weight (one token padded to 8) going to it, for the tree
 # and chain engines, whose target multiplies one token only at a prompt's end. On an H200 it made the DDTree-22 step
-# 1.31x faster (28.1 -> 21.5 ms, scripts/results/tree_mgpu_ptx_h200.txt) at the same accuracy; off by default until
-# the layout-alone form has run on a GPU and a GEMV reads the layout (generate --mgpu turns it on)
+# 1.31x faster (28.1 -> 21.5 ms, scripts/results/tree_mgpu_ptx_h200.txt) at the same accuracy. Off here (a library
+# default, as interpret mode cannot run it); generate, chat and serve turn it on for chain and ddtree on Hopper
+# (generate.mgpu_layout)
 MGPU_LAYOUTS = (False, True, "only")
 MGPU_LAYOUT = False
 MGPU = True

@@ -109,3 +109,20 @@ def test_the_shipped_pair_fits_its_limits():
     draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False, impl="reference")
     assert target.config.tie_word_embeddings and draft.config.block_size == 16
     assert draft.config.mask_token_id == Tokenizer.from_gguf(assets.DEFAULT_TARGET).special["<|mask|>"]
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_mosaic_layout_is_on_by_default_for_the_speculative_modes_on_hopper(monkeypatch, hopper):
+    """--mgpu unset: the Mosaic GPU layout alone for chain and ddtree where the GPU runs it, none for ar (whose
+    one-token products take the GEMV); --mgpu: ar keeps both layouts; --nomgpu: none; --mgpu off Hopper: an error."""
+    from dflash_jax.generate import UsageError, mgpu_layout
+    from pallas_kernels import qmatmul_mgpu
+
+    monkeypatch.setattr(qmatmul_mgpu, "available", lambda: hopper)
+    assert [mgpu_layout(mode, None) for mode in ("ar", "chain", "ddtree")] == [False] + ["only" if hopper else False] * 2
+    assert [mgpu_layout(mode, False) for mode in ("ar", "chain", "ddtree")] == [False] * 3
+    if hopper:
+        assert [mgpu_layout(mode, True) for mode in ("ar", "chain", "ddtree")] == [True, "only", "only"]
+    else:
+        with pytest.raises(UsageError, match="Hopper"):
+            mgpu_layout("ddtree", True)
