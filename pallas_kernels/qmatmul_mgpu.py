@@ -13,8 +13,8 @@ Triton kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy
 Layout (`MgpuQ4K`, repacked once from the GGUF's Q4_K by `pack`): the quants as q - 8 in int4 [N, K], each 32-column
 group in the order of wgmma's registers (`ORDER` "wgmma", `WGMMA_PERM`: 1.09-1.17x faster than column order, which
 `order="natural"` keeps; scripts/results/qmatmul_mgpu_wgmma_h200.txt); per super-block the 8 sub-block scales and 8
-mins (6-bit, one byte each) as `codes` [K / 256 x 16, N] and d, dmin as `dd` [K / 256 x 2, N] float16, transposed
-so that a step's scales are row vectors a TMA copy can bring (its innermost run of bytes is the program's rows).
+mins (6-bit, one byte each) and d, dmin (float16, two bytes each) as `scales` [K / 256 x 20, N] uint8, transposed
+so that a step's scales are row vectors one TMA copy brings (its innermost run of bytes is the program's rows).
 4.625 bits a weight, 2.8 % over the GGUF's 4.5.
 
 Arithmetic: as qmatmul's f16x2 tiles, float16 weights and x, exact up to float16's rounding of the weights: x enters
@@ -44,6 +44,7 @@ ROWS = 64  # wgmma's M: a warpgroup's instruction takes 64 weight rows; a progra
 ROWS_PER_PROGRAM = (64, 128, 256)
 GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
+SCALE_ROWS = 2 * SUB_BLOCKS + 4  # bytes per row and super-block of `MgpuQ4K.scales`
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
 CONVERTS = ("ptx", "mosaic")  # how the quants become float16 weights (`qmatmul`)
@@ -67,14 +68,15 @@ class MgpuQ4K:
     """A Q4_K weight [N, K] in this kernel's layout (module docstring)."""
 
     q: jax.Array  # [N, K] int4: the quants minus 8
-    codes: jax.Array  # [K / 256 * 16, N] uint8: per super-block, rows 0-7 the sub-block scales, 8-15 the mins
-    dd: jax.Array  # [K / 256 * 2, N] float16: per super-block, d then dmin
+    # [K / 256 * 20, N] uint8: per super-block, rows 0-7 the sub-block scales, 8-15 the mins, 16-19 d then dmin (the
+    # bytes of a float16 each, low byte first)
+    scales: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     order: str = dataclasses.field(default="natural", metadata=dict(static=True))  # one of ORDERS
 
     @property
     def nbytes(self) -> int:
-        return self.q.size // 2 + self.codes.size + self.dd.size * 2
+        return self.q.size // 2 + self.scales.size
 
 
 def pack(qt: QTensor, order: str | None = None) -> MgpuQ4K:
@@ -96,10 +98,11 @@ def pack(qt: QTensor, order: str | None = None) -> MgpuQ4K:
     if order == "wgmma":
         q = q.reshape(n, k // GROUP, GROUP)[..., WGMMA_PERM].reshape(n, k)
     sc, mn = k_scale_min(f["scales"].reshape(n, nb, 12))  # [n, nb, 8] each
+    dd = jnp.stack([f["d"].reshape(n, nb), f["dmin"].reshape(n, nb)], axis=-1).astype(jnp.float16)
+    dd_bytes = jax.lax.bitcast_convert_type(dd, jnp.uint8).reshape(n, nb, 4)
     w = MgpuQ4K(q=(q.astype(jnp.int8) - 8).astype(jnp.int4),
-                codes=jnp.concatenate([sc, mn], axis=-1).reshape(n, nb * 16).T,
-                dd=jnp.stack([f["d"].reshape(n, nb), f["dmin"].reshape(n, nb)], axis=-1).reshape(n, nb * 2).T
-                .astype(jnp.float16),
+                scales=jnp.concatenate([sc.astype(jnp.uint8), mn.astype(jnp.uint8), dd_bytes], axis=-1)
+                .reshape(n, nb * SCALE_ROWS).T,
                 shape=(n, k), order=order)
     if not f16_fits(w):
         raise ValueError(f"this Q4_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
@@ -116,8 +119,9 @@ def _scales(w: MgpuQ4K) -> tuple[jax.Array, jax.Array]:
     """Each sub-block's scale d sc and negated min -dmin m, float32 [N, K / 32]: w = q scale + neg_min."""
     n, k = w.shape
     nb = k // QK_K
-    codes = w.codes.T.reshape(n, nb, 2, SUB_BLOCKS).astype(jnp.float32)
-    dd = w.dd.T.reshape(n, nb, 2).astype(jnp.float32)
+    rows = w.scales.T.reshape(n, nb, SCALE_ROWS)
+    codes = rows[..., :2 * SUB_BLOCKS].reshape(n, nb, 2, SUB_BLOCKS).astype(jnp.float32)
+    dd = jax.lax.bitcast_convert_type(rows[..., 2 * SUB_BLOCKS:].reshape(n, nb, 2, 2), jnp.float16).astype(jnp.float32)
     return (dd[..., :1] * codes[:, :, 0]).reshape(n, -1), (-dd[..., 1:] * codes[:, :, 1]).reshape(n, -1)
 
 
@@ -294,24 +298,28 @@ def _f16_tile_wgmma(q, scale, neg_min):
     return convert(q, scale, neg_min)
 
 
-def _body(t: int, rows: int, steps: int, stages: int, convert: str, order: str, w_gmem, x_gmem, codes_gmem, dd_gmem,
-          o_gmem, o_smem):
+def _body(t: int, rows: int, steps: int, stages: int, convert: str, order: str, w_gmem, x_gmem, scales_gmem, o_gmem,
+          o_smem):
     ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows, as wgmma's accumulator holds them
     f32, f16 = jnp.float32, jnp.float16
     gain = 2.0 ** F16_SHIFT
 
-    def step(_, w_smem, x_smem, codes_smem, dd_smem, acc_ref):
-        d = plgpu.load(dd_smem.at[0], (), layout=row).astype(f32) * gain
-        dmin = plgpu.load(dd_smem.at[1], (), layout=row).astype(f32) * gain
+    def f16_at(scales_smem, i):  # the float16 whose bytes are rows i, i + 1 of the step's scales
+        lo, hi = (plgpu.load(scales_smem.at[i + b], (), layout=row).astype(jnp.uint16) for b in (0, 1))
+        return jax.lax.bitcast_convert_type((hi << 8) | lo, f16)
+
+    def step(_, w_smem, x_smem, scales_smem, acc_ref):
+        d = f16_at(scales_smem, 2 * SUB_BLOCKS).astype(f32) * gain
+        dmin = f16_at(scales_smem, 2 * SUB_BLOCKS + 2).astype(f32) * gain
 
         if convert == "ptx":  # and the "wgmma" order
             quants = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
         else:
             quants = w_smem[...]
         for j in range(SUB_BLOCKS):
-            scale = d * plgpu.load(codes_smem.at[j], (), layout=row).astype(f32)
-            neg_min = -dmin * plgpu.load(codes_smem.at[SUB_BLOCKS + j], (), layout=row).astype(f32)
+            scale = d * plgpu.load(scales_smem.at[j], (), layout=row).astype(f32)
+            neg_min = -dmin * plgpu.load(scales_smem.at[SUB_BLOCKS + j], (), layout=row).astype(f32)
             cols = slice(j * GROUP, (j + 1) * GROUP)
             if order == "wgmma":
                 a = _f16_tile_wgmma(quants[:, cols], scale.astype(f16), neg_min.astype(f16))
@@ -332,12 +340,11 @@ def _body(t: int, rows: int, steps: int, stages: int, convert: str, order: str, 
                 # 64-byte swizzle: x's 32-column slices (one sub-block) are whole swizzle tiles for wgmma's B
                 plgpu.BlockSpec((t, QK_K), lambda i: (0, k0 + i), delay_release=1,
                                 transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))),
-                plgpu.BlockSpec((2 * SUB_BLOCKS, rows), lambda i: (k0 + i, ni), delay_release=1),
-                plgpu.BlockSpec((2, rows), lambda i: (k0 + i, ni), delay_release=1)]
+                plgpu.BlockSpec((SCALE_ROWS, rows), lambda i: (k0 + i, ni), delay_release=1)]
 
     def compute(acc_ref):
         plgpu.emit_pipeline(lambda i, *refs: step(i, *refs, acc_ref), grid=(steps,), in_specs=specs(),
-                            max_concurrent_steps=stages)(w_gmem, x_gmem, codes_gmem, dd_gmem)
+                            max_concurrent_steps=stages)(w_gmem, x_gmem, scales_gmem)
         return acc_ref[...]
 
     o_smem[...] = pl.run_scoped(compute, plgpu.ACC((rows, t), jnp.float32))
@@ -375,5 +382,5 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
         grid=(n // rows, splits), grid_names=("n", "k"),
         scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
         kernel_name="qmatmul_mgpu_q4_k",
-    )(w.q, xt, w.codes, w.dd)
+    )(w.q, xt, w.scales)
     return sum_splits(out, n, m).T  # out is [splits, N, tokens]

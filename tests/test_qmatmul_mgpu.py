@@ -27,7 +27,7 @@ def test_layout_holds_the_gguf_values_exactly(order):
     qt = q4k(128, 768)
     w = mg.pack(qt, order)
     assert w.order == order
-    assert w.q.dtype == jnp.int4 and w.codes.shape == (3 * 16, 128) and w.dd.shape == (3 * 2, 128)
+    assert w.q.dtype == jnp.int4 and w.scales.dtype == jnp.uint8 and w.scales.shape == (3 * 20, 128)
     np.testing.assert_array_equal(np.asarray(mg.dequantize(w)), np.asarray(dequantize(qt)))
     assert w.nbytes == 128 * 768 // 256 * (128 + 16 + 4)  # 148 bytes a super-block: the GGUF's 144 + 2.8 %
 
