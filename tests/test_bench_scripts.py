@@ -263,3 +263,35 @@ def test_qmatmul_sass_reads_the_kernel_ir_and_its_loops():
         /*0050*/                   BRA 0x50;
     """
     assert qmatmul_sass.loops(sass) == [["LDG", "FFMA", "IMAD.MOV", "IMAD", "BRA"]]  # a move kept apart
+
+
+def test_mgpu_ptx_counts_the_kernels_instructions(capsys, monkeypatch):
+    """scripts/mgpu_ptx.py without a GPU: opcodes counted per statement (predicated, labelled, inside inline
+    assembly, several on a line; directives and comments not), and its report on the saved dump of the kernel."""
+    import mgpu_ptx
+
+    ptx = """
+    .reg .b32 %r<4>;  // a directive
+    $L__BB0_1:
+    @%p1 bra.uni $L__BB0_2;
+    // begin inline asm
+    {
+    .reg .b32 u, k;
+    lop3.b32 u, %r1, 0x000f000f, 0x64086408, 0x6a;
+    sub.f16x2 u, u, k;
+    }
+    // end inline asm
+    { .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {%r1}, {%r2}, %rd1, p; }
+    mov.b32 %r3, {%rs1, %rs1};
+    """
+    counts = mgpu_ptx.opcode_counts(ptx)
+    assert counts == {"bra.uni": 1, "lop3.b32": 1, "sub.f16x2": 1, "setp.ne.b32": 1, "mov.b32": 1,
+                      "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16": 1}
+    saved = ROOT / "scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx"
+    monkeypatch.setattr(sys, "argv", ["mgpu_ptx.py", "--read", str(saved)])
+    mgpu_ptx.main()
+    out = capsys.readouterr().out
+    # per super-block step: 8 sub-blocks of 2 wgmma and 8 lop3/sub/fma; no shuffle or prmt left in the conversion
+    for line in ("Used 64 registers", "wgmma.mma_async              16", "lop3                         64",
+                 "fma.rn.f16x2                 64", "prmt                         0"):
+        assert line in out, line

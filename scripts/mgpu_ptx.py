@@ -1,0 +1,103 @@
+"""The Mosaic GPU Q4_K kernel's PTX and ptxas report, on a Hopper GPU: registers, spills, and the instructions of
+its pipeline loop (how many of each opcode, the barriers, the wgmma waits).
+
+    python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --order wgmma]
+    python scripts/mgpu_ptx.py --read scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx   # a saved dump, no GPU
+
+Mosaic GPU writes what it compiles where MOSAIC_GPU_DUMP_TO says, when MOSAIC_GPU_DUMP_PTX and
+MOSAIC_GPU_DUMP_PTXAS are set; the script sets them, runs the kernel once on a random weight (which compiles it)
+and checks it against its reference, then reads the dump. The opcode counts are of the whole kernel, the loop's
+body unrolled over the super-block's 8 sub-blocks; inline PTX counts by the instructions inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+from pathlib import Path
+
+# a statement's opcode: after an optional label and predicate, letters, digits, dots, underscores and colons
+_OPCODE = re.compile(r"^(?:\$?\w+:\s*)?(?:@!?%?\w+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_:]+)*)(?:\s|$)")
+
+
+def opcode_counts(ptx: str) -> collections.Counter:
+    """How many times each PTX opcode (with its type suffixes) appears in `ptx`, inline assembly included: each
+    statement (text between `;`, `{`, `}` and line ends, comments dropped) that is not a directive counts once."""
+    counts = collections.Counter()
+    code = re.sub(r"//[^\n]*", "", ptx)
+    for statement in re.split(r"[;{}\n]", code):
+        statement = statement.strip()
+        if statement and not statement.startswith(".") and (match := _OPCODE.match(statement)):
+            counts[match.group(1)] += 1
+    return counts
+
+
+def summary(ptx: str) -> dict:
+    """The counts that say how the kernel spends a step: wgmma issues and waits, warpgroup barriers, TMA copies,
+    shared-memory loads and the conversion's lop3/sub/fma."""
+    counts = opcode_counts(ptx)
+    pick = lambda prefix: sum(c for op, c in counts.items() if op.startswith(prefix))  # noqa: E731
+    return {"wgmma.mma_async": pick("wgmma.mma_async"), "wgmma.wait_group": pick("wgmma.wait_group"),
+            "bar.sync": pick("bar.sync"), "cp.async.bulk.tensor (TMA)": pick("cp.async.bulk.tensor"),
+            "ld.shared": pick("ld.shared"), "ldmatrix": pick("ldmatrix"), "lop3": pick("lop3"),
+            "sub.f16x2": pick("sub.f16x2"), "fma.rn.f16x2": pick("fma.rn.f16x2"), "shfl": pick("shfl"),
+            "prmt": pick("prmt")}
+
+
+def report(ptx: str, ptxas: str = "") -> str:
+    """The ptxas lines that matter and the opcode summary, as text."""
+    lines = [line.strip() for line in ptxas.splitlines()
+             if any(word in line for word in ("registers", "spill", "serializ", "Warning"))]
+    lines += [f"{name:28s} {count}" for name, count in summary(ptx).items()]
+    lines.append("most frequent: " + ", ".join(f"{op} {c}" for op, c in opcode_counts(ptx).most_common(12)))
+    return "\n".join(lines)
+
+
+def dump(out: Path, n: int, k: int, m: int, order: str) -> tuple[str, str]:
+    """Compile and run the kernel once with Mosaic GPU's dumps going to `out`; the PTX and ptxas texts."""
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(out))
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dflash_jax.testing.synthetic import random_matrix
+    from pallas_kernels import qmatmul_mgpu as mg
+
+    if not mg.available():
+        raise SystemExit("the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x)")
+    w = mg.pack(random_matrix(jax.random.key(0), "Q4_K", (n, k)), order)
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
+    got, want = mg.qmatmul(x, w), mg.reference(x, w)
+    print(f"max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}")
+    ptx = sorted(out.glob("qmatmul_mgpu_q4_k*.ptx"))
+    if not ptx:
+        raise SystemExit(f"no PTX was dumped to {out}")
+    ptxas = ptx[-1].with_suffix(".ptxas")
+    return ptx[-1].read_text(), ptxas.read_text() if ptxas.exists() else ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="directory for Mosaic GPU's dumps (needs a Hopper GPU)")
+    ap.add_argument("--read", type=Path, help="a saved .ptx (its .ptxas beside it, if any) to report on instead")
+    ap.add_argument("--n", type=int, default=1024, help="weight rows")
+    ap.add_argument("--k", type=int, default=5120, help="weight columns")
+    ap.add_argument("--m", type=int, default=23, help="tokens")
+    ap.add_argument("--order", default="wgmma", choices=("wgmma", "natural"), help="the layout's quant order")
+    args = ap.parse_args()
+    if (args.out is None) == (args.read is None):
+        ap.error("give one of --out (compile and dump) and --read (a saved dump)")
+    if args.read:
+        ptxas = args.read.with_suffix(".ptxas")
+        ptx_text, ptxas_text = args.read.read_text(), ptxas.read_text() if ptxas.exists() else ""
+    else:
+        ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.order)
+    print(report(ptx_text, ptxas_text))
+
+
+if __name__ == "__main__":
+    main()
