@@ -44,6 +44,7 @@ class Models:
     draft: object | None  # dflash_jax.load.Draft
     tokenizer: Tokenizer
     load_s: float
+    mgpu_layout: bool | str = False  # the target's Q4_K weights for the Mosaic GPU kernel (`mgpu_layout`)
 
 
 def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | None]:
@@ -92,7 +93,7 @@ def load_models(target_path: str, draft_path: str | None, mode: str, impl: str =
         raise UsageError(f"{target_path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"only {target.config.vocab_size}")
     draft = load_draft(draft_path, target.config, progress=progress, impl=target.impl) if mode != "ar" else None
-    return Models(target, draft, tokenizer, time.perf_counter() - t0)
+    return Models(target, draft, tokenizer, time.perf_counter() - t0, layout)
 
 
 def prompt_tokens(tokenizer: Tokenizer, text: str, *, system: str | None = None, raw: bool = False,
@@ -225,7 +226,8 @@ def run(argv: Sequence[str]) -> int:
                    accept_lengths=gen.accept_lengths, steps=gen.steps, mean_accept_length=gen.mean_accept_length,
                    stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
-                   steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, backend=_backend())
+                   steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, backend=_backend(),
+                   mgpu_layout=models.mgpu_layout)
         if tracer is not None:
             out["profile_steps"] = tracer.traced_steps
         if log is not None:
@@ -238,7 +240,8 @@ def run(argv: Sequence[str]) -> int:
         print(f"[{describe(ecfg, engine)}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill "
               f"{gen.prefill_s:.2f} s (with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over "
               f"{gen.steps} steps, acceptance length {gen.mean_accept_length:.2f}: first step "
-              f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}",
+              f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}"
+              + ("; Q4_K products on the Mosaic GPU kernel" if models.mgpu_layout else ""),
               file=sys.stderr)
     if tracer is not None:
         print(f"profile: {tracer.traced_steps} steps traced into {f.profile} (open the .trace.json.gz in "

@@ -47,6 +47,7 @@ def test_default_pair_streams_text_and_stats(jit_cache):
     raw = generate("--prompt", "def fibonacci(n):", "--n_gen", "12", "--json", jit_cache=jit_cache)
     out = json.loads(raw.stdout)
     assert (out["budget"], out["topk"], out["chain_seed"]) == (8, 8, False)
+    assert out["mgpu_layout"] is False  # a CPU: no Mosaic GPU kernel
     from dflash_jax.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(assets.DEFAULT_TARGET)
     assert out["text"] == tok.decode([t for t in out["tokens"] if t not in tok.stop_ids])
