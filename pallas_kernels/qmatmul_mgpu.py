@@ -41,6 +41,8 @@ from dflash_jax.quant import QK_K, QTensor, k_scale_min
 from pallas_kernels.qmatmul import F16_SHIFT, f16_holds, sum_splits, x_operand
 
 ROWS = 64  # wgmma's M: a warpgroup's instruction takes 64 weight rows; a program takes `rows`, a multiple
+# `rows` a program may take, ROWS by default: 128 and 256, which read x half or a quarter as often, were no faster on
+# the 27B's ffn matrices (scripts/results/qmatmul_mgpu_rows_h200.txt)
 ROWS_PER_PROGRAM = (64, 128, 256)
 GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
@@ -178,12 +180,6 @@ def reference(x: jax.Array, w: MgpuQ4K, convert: str | None = None) -> jax.Array
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def default_rows(n: int) -> int:
-    """Weight rows per program: 64 (one wgmma row tile); 128 and 256, which read x half or a quarter as often, were
-    no faster on the 27B's ffn matrices (scripts/results/qmatmul_mgpu_rows_h200.txt)."""
-    return ROWS
-
-
 def default_splits(n: int, k: int, target: int = 2048, rows: int = ROWS) -> int:
     """Programs along K: 4 where they divide the super-blocks and keep row tiles x splits within `target`, else 2
     or 1. Four were the fastest of 1, 2 and 4 on the 27B's ffn_gate, ffn_down and attn_qkv at 16-32 tokens
@@ -193,6 +189,17 @@ def default_splits(n: int, k: int, target: int = 2048, rows: int = ROWS) -> int:
         if nb % s == 0 and n // rows * s <= target:
             return s
     return 1
+
+
+def _f16_twice(reg):
+    """A row vector's register (vector<1 x f16>) -> its float16 in both halves of a 32-bit register, the scale or
+    min operand of an f16x2 fma (inside `inline_mgpu`)."""
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm, vector
+
+    i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+    return llvm.inline_asm(i32, [mu.bitcast(vector.extract(reg, [], [0]), i16)], "mov.b32 $0, {$1, $1};", "=r,h")
 
 
 def _f16_tile(q, scale, neg_min):
@@ -208,23 +215,19 @@ def _f16_tile(q, scale, neg_min):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
+    from jaxlib.mlir.dialects import arith, llvm
 
     wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, row, row),
                        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
     def convert(_, qf, sf, of):
-        i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+        i32 = ir.IntegerType.get_signless(32)
         qf = qf.to_layout(fa.WGMMA_LAYOUT)  # built here, so each register's slice of its word can be read back
 
-        def pair(reg):  # vector<1 x f16> -> the float16 twice in a 32-bit register
-            return llvm.inline_asm(i32, [mu.bitcast(vector.extract(reg, [], [0]), i16)], "mov.b32 $0, {$1, $1};",
-                                   "=r,h")
-
         # registers [row tile, column tile, .., .., row half, ..]: a thread holds rows r and r + 8 of its warp's 16
-        scales = {(i, h): pair(sf.registers[i, 0, h, 0, 0]) for i in range(q.shape[0] // ROWS) for h in range(2)}
-        mins = {(i, h): pair(of.registers[i, 0, h, 0, 0]) for i in range(q.shape[0] // ROWS) for h in range(2)}
+        scales = {(i, h): _f16_twice(sf.registers[i, 0, h, 0, 0]) for i in range(q.shape[0] // ROWS) for h in range(2)}
+        mins = {(i, h): _f16_twice(of.registers[i, 0, h, 0, 0]) for i in range(q.shape[0] // ROWS) for h in range(2)}
         out = np.empty_like(qf.registers)
         for idx, reg in np.ndenumerate(qf.registers):
             piece = reg.owner.opview  # vector.extract_strided_slice of the 8-nibble word
@@ -260,24 +263,20 @@ def _f16_tile_wgmma(q, scale, neg_min):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
+    from jaxlib.mlir.dialects import arith, llvm
 
     wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, row, row),
                        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
     def convert(_, qf, sf, of):
-        i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+        i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-
-        def pair(reg):  # vector<1 x f16> -> the float16 twice in a 32-bit register
-            return llvm.inline_asm(i32, [mu.bitcast(vector.extract(reg, [], [0]), i16)], "mov.b32 $0, {$1, $1};",
-                                   "=r,h")
 
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(q.shape), dtype=object)  # [row tiles, 4 col tiles, 1, 1, 2, ..]
         # row tile i, half h: a lane holds rows r and r + 8 of its warp's 16 in each tile of 64
         for i, h in np.ndindex(q.shape[0] // ROWS, 2):
-            scale, neg_min = pair(sf.registers[i, 0, h, 0, 0]), pair(of.registers[i, 0, h, 0, 0])
+            scale, neg_min = _f16_twice(sf.registers[i, 0, h, 0, 0]), _f16_twice(of.registers[i, 0, h, 0, 0])
             word = mu.bitcast(qf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
             words = (word, arith.shrui(word, mu.c(8, i32)))
             for t in range(4):
@@ -357,9 +356,10 @@ def _body(t: int, rows: int, steps: int, stages: int, convert: str, order: str, 
 def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES,
             convert: str | None = None, rows: int | None = None) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU; K split over
-    `splits` programs (default: `default_splits`), `stages` pipeline steps in flight; `convert` ("ptx" or
-    "mosaic"; default `CONVERT`) how the quants become float16 weights (`_f16_tile`, or Mosaic's int4-to-bf16 and a
-    bf16-to-float16 conversion)."""
+    `splits` programs (default: `default_splits`), `stages` pipeline steps in flight, `rows` weight rows a program
+    (one of ROWS_PER_PROGRAM; default ROWS); `convert` ("ptx" or "mosaic", `_convert`) how the quants become float16
+    weights (`_f16_tile_wgmma` for the "wgmma" order; `_f16_tile`, or Mosaic's int4-to-bf16 and a bf16-to-float16
+    conversion, for the natural one)."""
     convert = _convert(w, convert)
     m, k = x.shape
     n, kw = w.shape
@@ -368,7 +368,7 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
     if not 1 <= m <= M_MAX:
         raise ValueError(f"the Mosaic GPU kernel takes 1 to {M_MAX} rows of x, got {m}")
     nb = k // QK_K
-    rows = rows or default_rows(n)
+    rows = rows or ROWS
     if rows not in ROWS_PER_PROGRAM or n % rows:
         raise ValueError(f"rows per program is one of {ROWS_PER_PROGRAM} and divides the weight's {n}, got {rows}")
     splits = splits or default_splits(n, k, rows=rows)

@@ -43,6 +43,7 @@ from dflash_jax.testing import synthetic  # noqa: E402
 from dflash_jax.testing.oracle import ForcedDrafter  # noqa: E402
 from dflash_jax.testing.tiny import tiny_draft_config, tiny_target_config  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
+from pallas_kernels import qmatmul_mgpu  # noqa: E402
 
 NO_STOPS = ()
 
@@ -337,7 +338,7 @@ def main() -> None:
                          "2-64 tokens (qmatmul.MGPU_LAYOUT True; Hopper; the Q4_K quants are held twice); 2: in that "
                          "layout alone, every Q4_K product on that kernel (MGPU_LAYOUT 'only', as generate --mgpu "
                          "for chain and ddtree)")
-    ap.add_argument("--mgpu_order", choices=("wgmma", "natural"), default=None,
+    ap.add_argument("--mgpu_order", choices=qmatmul_mgpu.ORDERS, default=None,
                     help="how the Mosaic GPU layout orders each 32-column group's quants (qmatmul_mgpu.ORDER)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (copy_rate, environment, gdn_layer_inputs, median_seconds,  # noqa: E402
-                      parse_options, traced_gpu_events)
+                      kernel_seconds_by_name, parse_options)
 
 from dflash_jax.config import load_target_config  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
@@ -93,10 +93,8 @@ def _times(run, x, weights, gguf_bytes: int, copy: float) -> dict:
     """Wall and (on a GPU) kernel time per product of `run(x, weights)`, with GGUF bytes/s and its ratio to `copy`."""
     t = median_seconds(run, x, weights) / len(weights)
     out = dict(us=t * 1e6, gguf_bytes=gguf_bytes, rate=gguf_bytes / t, ratio=gguf_bytes / t / copy)
-    calls = 3
-    per_kernel = {}  # GPU time per product of each kernel the call runs (the product's own, XLA's around it)
-    for name, _, ns in traced_gpu_events(run, x, weights, calls=calls):
-        per_kernel[name] = per_kernel.get(name, 0.0) + ns / 1e3 / calls / len(weights)
+    # GPU time per product of each kernel the call runs (the product's own, XLA's around it), us
+    per_kernel = {name: sec * 1e6 / len(weights) for name, sec in kernel_seconds_by_name(run, x, weights).items()}
     kt = sum(per_kernel.values()) / 1e6
     if kt > 0:  # a trace without GPU events (a CPU run) has no kernel time
         out.update(kernel_us=kt * 1e6, kernel_ratio=gguf_bytes / kt / copy, kernels_us=per_kernel)
@@ -173,7 +171,9 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
                         weights, call = packed[kernel], opts
                     else:  # `order` is the layout's (pack's), the rest the call's
                         order = opts.get("order", mg.ORDER)
-                        weights = packed.setdefault(order, [mg.pack(q, order) for q in qts])
+                        if order not in packed:
+                            packed[order] = [mg.pack(q, order) for q in qts]
+                        weights = packed[order]
                         call = {key: v for key, v in opts.items() if key != "order"}
                     run = jax.jit(lambda x, ws, fn=fn, o=call: [fn(x, w, **o) for w in ws])
                     try:

@@ -91,10 +91,19 @@ def traced_gpu_events(fn, *args, calls: int = 3) -> list[tuple[str, int, int]]:
         return gpu_events(trace_dir)
 
 
+def kernel_seconds_by_name(fn, *args, calls: int = 3) -> dict[str, float]:
+    """GPU time of one fn(*args) call per kernel name: the durations of a trace of `calls` calls' GPU events summed
+    by name, over `calls` ({} with no GPU)."""
+    seconds = {}
+    for name, _, ns in traced_gpu_events(fn, *args, calls=calls):
+        seconds[name] = seconds.get(name, 0.0) + ns / 1e9 / calls
+    return seconds
+
+
 def kernel_seconds(fn, *args, calls: int = 3) -> float:
     """GPU kernel time of one fn(*args) call: the summed durations of the events on the GPU streams of a trace of
     `calls` calls, over `calls`; dispatch, waits and gaps between launches are left out (0 with no GPU)."""
-    return sum(d for _, _, d in traced_gpu_events(fn, *args, calls=calls)) / 1e9 / calls
+    return sum(kernel_seconds_by_name(fn, *args, calls=calls).values())
 
 
 def parse_options(text: str) -> dict[str, int | str]:
