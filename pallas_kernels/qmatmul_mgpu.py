@@ -6,20 +6,25 @@ tokens on its N side (any multiple of 8), with x^T read by the tensor cores stra
 and pipeline step (one super-block, 256 columns), TMA brings in the [64, 256] int4 quants, x's [T, 256] columns and
 the rows' Q4_K scales; the warpgroup converts each 32-column sub-block to float16 weights in registers (inline
 PTX, `_f16_tile_wgmma`: q scale - min with the sub-block's scale and min as row vectors) and issues one wgmma of
-K = 32 on it. K is split over `splits` programs whose partial products XLA adds. On an H200, 1.4-2.4x faster than the
-Triton kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy
-(scripts/results/qmatmul_mgpu_wgmma_h200.txt).
+K = 32 on it. K is split over `splits` programs whose partial products XLA adds (or, `schedule="stream"`, a few
+programs an SM stream equal runs of all the tiles' super-blocks: no faster,
+scripts/results/qmatmul_mgpu_stream_h200.txt).
+On an H200, 1.4-2.4x faster than the Triton kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy
+(scripts/results/qmatmul_mgpu_wgmma_h200.txt); since the scales travel in words, another 1.05-1.12x on an H100
+(scripts/results/qmatmul_mgpu_scale_words_h100.txt).
 
 Layout (`MgpuQ4K`, repacked once from the GGUF's Q4_K by `pack`): the quants as q - 8 in int4 [N, K], each 32-column
 group in the order of wgmma's registers (`ORDER` "wgmma", `WGMMA_PERM`: 1.09-1.17x faster than column order, which
 `order="natural"` keeps; scripts/results/qmatmul_mgpu_wgmma_h200.txt); per super-block the 8 sub-block scales and 8
-mins (6-bit, one byte each) and d, dmin (float16, two bytes each) as `scales` [K / 256 x 20, N] uint8, transposed
-so that a step's scales are row vectors one TMA copy brings (its innermost run of bytes is the program's rows).
-4.625 bits a weight, 2.8 % over the GGUF's 4.5.
+mins (6-bit, one byte each) and d, dmin (float16) as `scales` [K / 256 x 5, N] uint32, a row's (scale, min) of two
+sub-blocks a word and (d, dmin) the fifth, transposed so that a step's scales are 5 row vectors one TMA copy brings
+(its innermost run is the program's rows) and a thread reads a row's two sub-blocks in one load. 4.625 bits a
+weight, 2.8 % over the GGUF's 4.5.
 
 Arithmetic: as qmatmul's f16x2 tiles, float16 weights and x, exact up to float16's rounding of the weights: x enters
 scaled by 2**-F16_SHIFT and the scales and mins by 2**F16_SHIFT (`pack` checks that they fit, `f16_fits`). Each
-sub-block's scale d sc and min dmin m are made in float32 and rounded to float16 once, each weight by one fma.
+sub-block's scale d sc and negated min -dmin m is one f16x2 product of the codes and the scaled (d, -dmin), rounded
+once to float16 (`_scale_pairs`), each weight by one fma.
 
 GPU only (Hopper): GPU interpret mode (jax 0.10.2) cannot run wgmma with its A operand in registers, so the CPU
 tests check the layout and the reference and that the kernel lowers for CUDA; its numerics are checked on a GPU
@@ -46,11 +51,12 @@ ROWS = 64  # wgmma's M: a warpgroup's instruction takes 64 weight rows; a progra
 ROWS_PER_PROGRAM = (64, 128, 256)
 GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
-SCALE_ROWS = 2 * SUB_BLOCKS + 4  # bytes per row and super-block of `MgpuQ4K.scales`
+SCALE_WORDS = SUB_BLOCKS // 2 + 1  # 32-bit words per row and super-block of `MgpuQ4K.scales`
+SCHEDULES = ("grid", "stream")  # how programs share the work (`qmatmul`)
+SCHEDULE = "grid"  # "stream" was 0.88-1.04x its speed on an H200 (scripts/results/qmatmul_mgpu_stream_h200.txt)
+SMEM_PER_SM = 228 * 1024  # Hopper's shared memory per SM
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
-CONVERTS = ("ptx", "mosaic")  # how the quants become float16 weights (`qmatmul`)
-CONVERT = "ptx"  # 1.08-1.24x faster than "mosaic" on an H200 (scripts/results/qmatmul_mgpu_ptx_h200.txt)
 ORDERS = ("wgmma", "natural")  # how `pack` orders the quants of each 32-column group (`MgpuQ4K.order`)
 ORDER = "wgmma"
 # (mask, xor, magic) of the lop3 that makes float16 magic + q from the "wgmma" order's nibbles at bits 0-3 (magic
@@ -70,15 +76,15 @@ class MgpuQ4K:
     """A Q4_K weight [N, K] in this kernel's layout (module docstring)."""
 
     q: jax.Array  # [N, K] int4: the quants minus 8
-    # [K / 256 * 20, N] uint8: per super-block, rows 0-7 the sub-block scales, 8-15 the mins, 16-19 d then dmin (the
-    # bytes of a float16 each, low byte first)
+    # [K / 256 * 5, N] uint32: per super-block, word w < 4 the bytes (6 bits each, low byte first) scale of sub-block
+    # 2w, of 2w + 1, min of 2w, of 2w + 1; word 4 d then dmin (float16, low half first)
     scales: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     order: str = dataclasses.field(default="natural", metadata=dict(static=True))  # one of ORDERS
 
     @property
     def nbytes(self) -> int:
-        return self.q.size // 2 + self.scales.size
+        return self.q.size // 2 + self.scales.size * 4
 
 
 def pack(qt: QTensor, order: str | None = None) -> MgpuQ4K:
@@ -100,11 +106,13 @@ def pack(qt: QTensor, order: str | None = None) -> MgpuQ4K:
     if order == "wgmma":
         q = q.reshape(n, k // GROUP, GROUP)[..., WGMMA_PERM].reshape(n, k)
     sc, mn = k_scale_min(f["scales"].reshape(n, nb, 12))  # [n, nb, 8] each
+    # a word's bytes: the scales of sub-blocks 2w, 2w + 1, then their mins (`_scale_pairs` masks out one of each)
+    codes = jnp.stack([sc.reshape(n, nb, -1, 2), mn.reshape(n, nb, -1, 2)], axis=-2).astype(jnp.uint8)
+    codes = codes.reshape(n, nb, SUB_BLOCKS // 2, 4)
     dd = jnp.stack([f["d"].reshape(n, nb), f["dmin"].reshape(n, nb)], axis=-1).astype(jnp.float16)
-    dd_bytes = jax.lax.bitcast_convert_type(dd, jnp.uint8).reshape(n, nb, 4)
-    w = MgpuQ4K(q=(q.astype(jnp.int8) - 8).astype(jnp.int4),
-                scales=jnp.concatenate([sc.astype(jnp.uint8), mn.astype(jnp.uint8), dd_bytes], axis=-1)
-                .reshape(n, nb * SCALE_ROWS).T,
+    words = jnp.concatenate([jax.lax.bitcast_convert_type(codes, jnp.uint32),
+                             jax.lax.bitcast_convert_type(dd, jnp.uint32)[..., None]], axis=-1)
+    w = MgpuQ4K(q=(q.astype(jnp.int8) - 8).astype(jnp.int4), scales=words.reshape(n, nb * SCALE_WORDS).T,
                 shape=(n, k), order=order)
     if not f16_fits(w):
         raise ValueError(f"this Q4_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
@@ -117,14 +125,21 @@ def available() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
+def _fields(w: MgpuQ4K) -> tuple[jax.Array, jax.Array]:
+    """(codes, dd): each sub-block's 6-bit (scale, min) [N, K / 256, 8, 2] and each super-block's (d, dmin)
+    [N, K / 256, 2], float32."""
+    n, k = w.shape
+    words = w.scales.T.reshape(n, k // QK_K, SCALE_WORDS)
+    codes = jax.lax.bitcast_convert_type(words[..., :-1], jnp.uint8).reshape(n, -1, SUB_BLOCKS // 2, 2, 2)
+    codes = codes.swapaxes(-1, -2).reshape(n, -1, SUB_BLOCKS, 2)
+    return codes.astype(jnp.float32), jax.lax.bitcast_convert_type(words[..., -1], jnp.float16).astype(jnp.float32)
+
+
 def _scales(w: MgpuQ4K) -> tuple[jax.Array, jax.Array]:
     """Each sub-block's scale d sc and negated min -dmin m, float32 [N, K / 32]: w = q scale + neg_min."""
-    n, k = w.shape
-    nb = k // QK_K
-    rows = w.scales.T.reshape(n, nb, SCALE_ROWS)
-    codes = rows[..., :2 * SUB_BLOCKS].reshape(n, nb, 2, SUB_BLOCKS).astype(jnp.float32)
-    dd = jax.lax.bitcast_convert_type(rows[..., 2 * SUB_BLOCKS:].reshape(n, nb, 2, 2), jnp.float16).astype(jnp.float32)
-    return (dd[..., :1] * codes[:, :, 0]).reshape(n, -1), (-dd[..., 1:] * codes[:, :, 1]).reshape(n, -1)
+    codes, dd = _fields(w)
+    scale, neg_min = (sign * dd[..., None, i] * codes[..., i] for i, sign in ((0, 1), (1, -1)))
+    return scale.reshape(w.shape[0], -1), neg_min.reshape(w.shape[0], -1)
 
 
 def _quants(w: MgpuQ4K) -> jax.Array:
@@ -133,50 +148,32 @@ def _quants(w: MgpuQ4K) -> jax.Array:
     return q[..., np.argsort(WGMMA_PERM)] if w.order == "wgmma" else q
 
 
-def _terms(w: MgpuQ4K, convert: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(quants, scale, offset) as `convert` multiplies them, w = quants scale + offset: "ptx" takes q with the
-    negated min, "mosaic" q - 8 (the int4 as stored) with 8 scale - dmin m; float32, scales [N, K / 32]."""
-    scale, neg_min = _scales(w)
-    q = _quants(w).astype(jnp.float32)
-    return (q + 8, scale, neg_min) if convert == "ptx" else (q, scale, 8 * scale + neg_min)
-
-
 def f16_fits(w: MgpuQ4K) -> bool:
-    """Whether every weight, scale and offset of either form (`_terms`) times 2**F16_SHIFT stays under 2**15 in
-    float16 (`f16_holds`: 15 |scale| + |neg_min| bounds them)."""
-    return f16_holds(15, _scales(w))
+    """Whether every weight, scale and negated min times 2**F16_SHIFT stays under 2**15 in float16 (`f16_holds`:
+    15 |scale| + |neg_min| bounds them), and so do d and dmin, which the kernel scales in float16 too."""
+    _, dd = _fields(w)
+    return f16_holds(15, _scales(w)) and bool(jnp.abs(dd).max() * 2.0 ** F16_SHIFT < 2 ** 15)
 
 
 def dequantize(w: MgpuQ4K) -> jax.Array:
     """The weight [N, K] in float32, exactly the GGUF's Q4_K values (d sc q - dmin m)."""
-    q, scale, offset = _terms(w, "ptx")
-    return (q * scale[..., None] + offset[..., None]).reshape(w.shape)
+    scale, neg_min = _scales(w)
+    q = _quants(w).astype(jnp.float32) + 8
+    return (q * scale[..., None] + neg_min[..., None]).reshape(w.shape)
 
 
-def _convert(w: MgpuQ4K, convert: str | None) -> str:
-    """How the kernel turns w's quants into float16 weights: "ptx" for the "wgmma" order (the only way written for
-    it), else `convert` (default `CONVERT`)."""
-    if convert is not None and convert not in CONVERTS:
-        raise ValueError(f"convert is one of {CONVERTS}, got {convert!r}")
-    if w.order == "wgmma" and convert not in (None, "ptx"):
-        raise ValueError(f"the \"wgmma\" order is converted by inline PTX only, not {convert!r}: pack with "
-                         "order=\"natural\" for it")
-    return "ptx" if w.order == "wgmma" else convert or CONVERT
+def f16_weights(w: MgpuQ4K) -> jax.Array:
+    """The float16 weights [N, K] the kernel multiplies: q scale + neg_min, the scale and negated min times
+    2**F16_SHIFT rounded once to float16 (as the kernel's f16x2 products of the codes and the scaled d, dmin make
+    them) and each weight once (one fma)."""
+    scale, neg_min = (jnp.asarray(a * 2.0 ** F16_SHIFT, jnp.float16).astype(jnp.float32) for a in _scales(w))
+    q = _quants(w).astype(jnp.float32) + 8
+    return (q * scale[..., None] + neg_min[..., None]).reshape(w.shape).astype(jnp.float16)
 
 
-def f16_weights(w: MgpuQ4K, convert: str | None = None) -> jax.Array:
-    """The float16 weights [N, K] the kernel multiplies under `convert` (`_convert`): quants x scale + offset
-    (`_terms`) with the scale and offset times 2**F16_SHIFT in float16, rounded once (one fma)."""
-    q, scale, offset = _terms(w, _convert(w, convert))
-    scale, offset = (jnp.asarray(a * 2.0 ** F16_SHIFT, jnp.float16).astype(jnp.float32) for a in (scale, offset))
-    return (q * scale[..., None] + offset[..., None]).reshape(w.shape).astype(jnp.float16)
-
-
-def reference(x: jax.Array, w: MgpuQ4K, convert: str | None = None) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them (`convert`:
-    `_convert`)."""
-    return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32),
-                      f16_weights(w, convert).astype(jnp.float32),
+def reference(x: jax.Array, w: MgpuQ4K) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them."""
+    return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), f16_weights(w).astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
 
 
@@ -191,20 +188,75 @@ def default_splits(n: int, k: int, target: int = 2048, rows: int = ROWS) -> int:
     return 1
 
 
-def _f16_twice(reg):
-    """A row vector's register (vector<1 x f16>) -> its float16 in both halves of a 32-bit register, the scale or
-    min operand of an f16x2 fma (inside `inline_mgpu`)."""
+# f16x2 (2**F16_SHIFT, -2**F16_SHIFT): d and dmin of a super-block times it are the factors of its scales and
+# negated mins, in float16 (`_scaled_dd`)
+GAIN_PAIR = int(np.array([2.0 ** F16_SHIFT, -2.0 ** F16_SHIFT], np.float16).view(np.uint32)[0])
+
+
+def _scalar(reg):
+    """A row vector's register (vector<1 x i32>, inside `inline_mgpu`) -> its i32."""
+    from jaxlib.mlir.dialects import vector
+
+    return vector.extract(reg, [], [0])
+
+
+def _scaled_dd(words):
+    """Each row's word (d, dmin) [rows] uint32 (a row vector) -> (d, -dmin) 2**F16_SHIFT as float16 pairs (exact:
+    `f16_fits` keeps them finite), one f16x2 multiply a register."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import llvm, vector
+    from jaxlib.mlir.dialects import llvm
 
-    i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
-    return llvm.inline_asm(i32, [mu.bitcast(vector.extract(reg, [], [0]), i16)], "mov.b32 $0, {$1, $1};", "=r,h")
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    @plgpu.inline_mgpu(arg_types=(row,), return_type=plgpu.ShapeDtypeStruct(words.shape, jnp.uint32, row))
+    def scale(_, df):
+        i32 = ir.IntegerType.get_signless(32)
+        out = np.empty_like(df.registers)
+        for idx, reg in np.ndenumerate(df.registers):
+            pair = llvm.inline_asm(i32, [_scalar(reg)],
+                                   f"{{ .reg .b32 k; mov.b32 k, {GAIN_PAIR:#010x}; mul.rn.f16x2 $0, $1, k; }}", "=r,r")
+            out[idx] = mu.bitcast(pair, reg.type)
+        return fa.FragmentedArray(_registers=out, _layout=df.layout, _is_signed=False)
+
+    return scale(words)
 
 
-def _f16_tile(q, scale, neg_min):
-    """q [64, 32] int4 as loaded (WGMMA_UPCAST_4X layout: 8 nibbles a 32-bit register) -> float16 [64, 32] in WGMMA
-    layout, (q ^ 8) scale + neg_min per row.
+def _scale_pairs(word, dd, part: int):
+    """One row's sub-block scale and min codes, bytes part and part + 2 of `word` (i32), and its (d, -dmin)
+    2**F16_SHIFT pair `dd` -> (scale, neg_min) as f16x2 (i32). A lop3 masks the two codes (shifted down a byte for
+    part 1) and sets float16's exponent of 1024 above each (1024 + code, exact), a sub takes the 1024 off and one
+    f16x2 multiply makes both products, each rounded once as the reference (`f16_weights`) rounds them."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm
+
+    return llvm.inline_asm(
+        ir.IntegerType.get_signless(32), [word, dd],
+        f"""{{
+        .reg .b32 t, k;
+        {"shr.b32 t, $1, 8;" if part else "mov.b32 t, $1;"}
+        lop3.b32 t, t, 0x00ff00ff, 0x64006400, 0xea;
+        mov.b32 k, 0x64006400;
+        sub.f16x2 t, t, k;
+        mul.rn.f16x2 $0, t, $2;
+        }}""",
+        "=r,r,r")
+
+
+# PTX that sets `s2` to (scale, scale) and `n2` to (neg_min, neg_min) from a `_scale_pairs` value in operand `{}`:
+# moves between register halves, which ptxas folds into the fma's operand selectors
+BROADCAST = """.reg .b16 sl, sh;
+                .reg .b32 s2, n2;
+                mov.b32 {{sl, sh}}, ${};
+                mov.b32 s2, {{sl, sl}};
+                mov.b32 n2, {{sh, sh}};"""
+
+
+def _f16_tile(q, words, dd, part: int):
+    """q [64 r, 32] int4 as loaded (WGMMA_UPCAST_4X layout: 8 nibbles a 32-bit register) -> float16 [64 r, 32] in
+    WGMMA layout, (q ^ 8) scale + neg_min per row, the row's scale and min codes in `words` (bytes 2 part, 2 part
+    + 1) and its (d, -dmin) pair in `dd` (`_scale_pairs`).
 
     Mosaic GPU's relayout to WGMMA (a lane shuffle and a prmt per register) leaves each register two nibbles of a
     32-bit word. Then, by inline PTX, a prmt puts the two nibbles in the low bits of two halves; a lop3 masks them,
@@ -221,39 +273,42 @@ def _f16_tile(q, scale, neg_min):
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, row, row),
                        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
-    def convert(_, qf, sf, of):
+    def convert(_, qf, wf, df):
         i32 = ir.IntegerType.get_signless(32)
         qf = qf.to_layout(fa.WGMMA_LAYOUT)  # built here, so each register's slice of its word can be read back
 
         # registers [row tile, column tile, .., .., row half, ..]: a thread holds rows r and r + 8 of its warp's 16
-        scales = {(i, h): _f16_twice(sf.registers[i, 0, h, 0, 0]) for i in range(q.shape[0] // ROWS) for h in range(2)}
-        mins = {(i, h): _f16_twice(of.registers[i, 0, h, 0, 0]) for i in range(q.shape[0] // ROWS) for h in range(2)}
+        pairs = {(i, h): _scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]),
+                                      part)
+                 for i, h in np.ndindex(q.shape[0] // ROWS, 2)}
         out = np.empty_like(qf.registers)
         for idx, reg in np.ndenumerate(qf.registers):
             piece = reg.owner.opview  # vector.extract_strided_slice of the 8-nibble word
             offset = piece.offsets[0]
-            part = (offset.value if hasattr(offset, "value") else int(offset)) // 2
+            nibbles = (offset.value if hasattr(offset, "value") else int(offset)) // 2
             word = mu.bitcast(piece.source, i32)
             pair_f16 = llvm.inline_asm(
-                i32, [word, arith.shrui(word, mu.c(4, i32)), scales[idx[0], idx[4]], mins[idx[0], idx[4]]],
+                i32, [word, arith.shrui(word, mu.c(4, i32)), pairs[idx[0], idx[4]]],
                 f"""{{
                 .reg .b32 t, k;
-                prmt.b32 t, $1, $2, 0xF{part + 4}F{part};
+                {BROADCAST.format(3)}
+                prmt.b32 t, $1, $2, 0xF{nibbles + 4}F{nibbles};
                 lop3.b32 t, t, 0x000F000F, 0x64086408, 0x6a;
                 mov.b32 k, 0x64006400;
                 sub.f16x2 t, t, k;
-                fma.rn.f16x2 $0, t, $3, $4;
+                fma.rn.f16x2 $0, t, s2, n2;
                 }}""",
-                "=r,r,r,r,r")
+                "=r,r,r,r")
             out[idx] = mu.bitcast(pair_f16, ir.VectorType.get((2,), ir.F16Type.get()))
         return fa.FragmentedArray(_registers=out, _layout=qf.layout, _is_signed=None)
 
-    return convert(q, scale, neg_min)
+    return convert(q, words, dd)
 
 
-def _f16_tile_wgmma(q, scale, neg_min):
-    """q [64, 32] int4 in the "wgmma" order as loaded (WGMMA_UPCAST_4X: a lane's 8 quants of a row in one 32-bit
-    word) -> float16 [64, 32] in WGMMA layout, (q ^ 8) scale + neg_min per row, with no data between lanes.
+def _f16_tile_wgmma(q, words, dd, part: int):
+    """q [64 r, 32] int4 in the "wgmma" order as loaded (WGMMA_UPCAST_4X: a lane's 8 quants of a row in one 32-bit
+    word) -> float16 [64 r, 32] in WGMMA layout, (q ^ 8) scale + neg_min per row (`words`, `dd`, `part` as
+    `_f16_tile` takes them), with no data between lanes.
 
     The order (`WGMMA_PERM`) puts each of the lane's four wgmma registers in two nibbles, t and t + 4 of the word.
     Per register, one lop3 masks them where they lie (bits 0-3 of each half: float16's exponent of 1024 makes 1024
@@ -269,80 +324,65 @@ def _f16_tile_wgmma(q, scale, neg_min):
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, row, row),
                        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
-    def convert(_, qf, sf, of):
+    def convert(_, qf, wf, df):
         i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
 
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(q.shape), dtype=object)  # [row tiles, 4 col tiles, 1, 1, 2, ..]
         # row tile i, half h: a lane holds rows r and r + 8 of its warp's 16 in each tile of 64
         for i, h in np.ndindex(q.shape[0] // ROWS, 2):
-            scale, neg_min = _f16_twice(sf.registers[i, 0, h, 0, 0]), _f16_twice(of.registers[i, 0, h, 0, 0])
+            pair = _scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]), part)
             word = mu.bitcast(qf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
             words = (word, arith.shrui(word, mu.c(8, i32)))
             for t in range(4):
                 mask, xor, magic = NIBBLE_FIELDS[t % 2]
                 reg = llvm.inline_asm(
-                    i32, [words[t // 2], scale, neg_min],
+                    i32, [words[t // 2], pair],
                     f"""{{
                     .reg .b32 u, k;
+                    {BROADCAST.format(2)}
                     lop3.b32 u, $1, {mask:#010x}, {xor * 0x10001:#010x}, 0x6a;
                     mov.b32 k, {magic * 0x10001:#010x};
                     sub.f16x2 u, u, k;
-                    fma.rn.f16x2 $0, u, $2, $3;
+                    fma.rn.f16x2 $0, u, s2, n2;
                     }}""",
-                    "=r,r,r,r")
+                    "=r,r,r")
                 out[i, t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return convert(q, scale, neg_min)
+    return convert(q, words, dd)
 
 
-def _body(t: int, rows: int, steps: int, stages: int, convert: str, order: str, w_gmem, x_gmem, scales_gmem, o_gmem,
-          o_smem):
-    ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
+def _multiply(order: str, w_smem, x_smem, scales_smem, acc_ref) -> None:
+    """One pipeline step: the step's super-block of weights, converted 32 columns at a time, times x^T into acc."""
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows, as wgmma's accumulator holds them
-    f32, f16 = jnp.float32, jnp.float16
-    gain = 2.0 ** F16_SHIFT
+    tile = _f16_tile_wgmma if order == "wgmma" else _f16_tile
+    dd = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row))
+    words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
+    quants = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+    for j in range(SUB_BLOCKS):
+        cols = slice(j * GROUP, (j + 1) * GROUP)
+        plgpu.wgmma(acc_ref, tile(quants[:, cols], words[j // 2], dd, j % 2), x_smem.at[:, cols].T)
+        plgpu.wgmma_wait(1)
 
-    def f16_at(scales_smem, i):  # the float16 whose bytes are rows i, i + 1 of the step's scales
-        lo, hi = (plgpu.load(scales_smem.at[i + b], (), layout=row).astype(jnp.uint16) for b in (0, 1))
-        return jax.lax.bitcast_convert_type((hi << 8) | lo, f16)
 
-    def step(_, w_smem, x_smem, scales_smem, acc_ref):
-        d = f16_at(scales_smem, 2 * SUB_BLOCKS).astype(f32) * gain
-        dmin = f16_at(scales_smem, 2 * SUB_BLOCKS + 2).astype(f32) * gain
+def _specs(t: int, rows: int, at) -> list:
+    """The pipeline's inputs (quants, x, scales) at step i, whose (row tile, super-block) is `at(i)`."""
+    return [plgpu.BlockSpec((rows, QK_K), lambda i: at(i), delay_release=1,
+                            transforms=(plgpu.TilingTransform((8, QK_K)), plgpu.SwizzleTransform(128))),
+            # 64-byte swizzle: x's 32-column slices (one sub-block) are whole swizzle tiles for wgmma's B
+            plgpu.BlockSpec((t, QK_K), lambda i: (0, at(i)[1]), delay_release=1,
+                            transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))),
+            plgpu.BlockSpec((SCALE_WORDS, rows), lambda i: at(i)[::-1], delay_release=1)]
 
-        if convert == "ptx":  # and the "wgmma" order
-            quants = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-        else:
-            quants = w_smem[...]
-        for j in range(SUB_BLOCKS):
-            scale = d * plgpu.load(scales_smem.at[j], (), layout=row).astype(f32)
-            neg_min = -dmin * plgpu.load(scales_smem.at[SUB_BLOCKS + j], (), layout=row).astype(f32)
-            cols = slice(j * GROUP, (j + 1) * GROUP)
-            if order == "wgmma":
-                a = _f16_tile_wgmma(quants[:, cols], scale.astype(f16), neg_min.astype(f16))
-            elif convert == "ptx":
-                a = _f16_tile(quants[:, cols], scale.astype(f16), neg_min.astype(f16))
-            else:  # int4 -> bf16 is Mosaic's fast conversion; bf16 -> float16 a generic one
-                q = quants[:, cols].astype(jnp.bfloat16).astype(f16)
-                offset = 8.0 * scale + neg_min
-                a = (q * jax.lax.broadcast_in_dim(scale.astype(f16), q.shape, [0])
-                     + jax.lax.broadcast_in_dim(offset.astype(f16), q.shape, [0]))
-            plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].T)
-            plgpu.wgmma_wait(1)
 
-    def specs():
-        k0 = si * steps
-        return [plgpu.BlockSpec((rows, QK_K), lambda i: (ni, k0 + i), delay_release=1,
-                                transforms=(plgpu.TilingTransform((8, QK_K)), plgpu.SwizzleTransform(128))),
-                # 64-byte swizzle: x's 32-column slices (one sub-block) are whole swizzle tiles for wgmma's B
-                plgpu.BlockSpec((t, QK_K), lambda i: (0, k0 + i), delay_release=1,
-                                transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))),
-                plgpu.BlockSpec((SCALE_ROWS, rows), lambda i: (k0 + i, ni), delay_release=1)]
+def _body(t: int, rows: int, steps: int, stages: int, order: str, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
+    """The "grid" schedule: a program per (row tile, K split), `steps` super-blocks each."""
+    ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
 
     def compute(acc_ref):
-        plgpu.emit_pipeline(lambda i, *refs: step(i, *refs, acc_ref), grid=(steps,), in_specs=specs(),
+        plgpu.emit_pipeline(lambda _, *refs: _multiply(order, *refs, acc_ref), grid=(steps,),
+                            in_specs=_specs(t, rows, lambda i: (ni, si * steps + i)),
                             max_concurrent_steps=stages)(w_gmem, x_gmem, scales_gmem)
         return acc_ref[...]
 
@@ -352,15 +392,74 @@ def _body(t: int, rows: int, steps: int, stages: int, convert: str, order: str, 
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "convert", "rows"))
+def _owner(g, total: int, programs: int):
+    """The program whose range of the flattened (row tile, super-block) steps holds step g (`_stream_body`); numpy
+    or traced integers."""
+    return ((g + 1) * programs + total - 1) // total - 1
+
+
+def _stream_body(t: int, rows: int, nb: int, programs: int, stages: int, order: str, w_gmem, x_gmem, scales_gmem,
+                 o_gmem, o_smem):
+    """The "stream" schedule: `programs` programs (a few per SM, all resident) split the row tiles' super-blocks,
+    flattened tile by tile, into equal ranges, one pipeline each; where a tile ends (or the range does) its partial
+    product goes to the tile's slot p - `_owner`(its first step) of o_gmem, and the accumulator starts again."""
+    p = jax.lax.axis_index("p")
+    total = o_gmem.shape[1] // rows * nb
+    start, end = p * total // programs, (p + 1) * total // programs
+
+    def step(idx, w_smem, x_smem, scales_smem, acc_ref):
+        _multiply(order, w_smem, x_smem, scales_smem, acc_ref)
+        g = start + idx[0]
+
+        @pl.when((g % nb == nb - 1) | (g == end - 1))
+        def _store():
+            tile = g // nb
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's copy has read o_smem
+            o_smem[...] = acc_ref[...]
+            acc_ref[...] = plgpu.layout_cast(jnp.zeros((rows, t), jnp.float32), plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[p - _owner(tile * nb, total, programs), pl.ds(tile * rows, rows)])
+
+    def compute(acc_ref):
+        plgpu.emit_pipeline(lambda idx, *refs: step(idx, *refs, acc_ref), grid=(end - start,),
+                            in_specs=_specs(t, rows, lambda i: divmod(start + i, nb)),
+                            max_concurrent_steps=stages)(w_gmem, x_gmem, scales_gmem)
+
+    pl.run_scoped(compute, plgpu.ACC((rows, t), jnp.float32))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def smem_bytes(t: int, rows: int, stages: int) -> int:
+    """Shared memory a program of the kernel takes: `stages` buffers of quants, x and scales, and the output tile."""
+    return stages * (rows * QK_K // 2 + t * QK_K * 2 + SCALE_WORDS * 4 * rows) + rows * t * 4
+
+
+def default_programs(t: int, rows: int, stages: int) -> int:
+    """Programs of the "stream" schedule: as many as the device's SMs hold at once (by shared memory, up to 8 an SM;
+    132 SMs where the device does not say, as on a CPU)."""
+    device = jax.devices()[0]
+    sms = getattr(device, "core_count", 0) if device.platform == "gpu" else 0
+    per_sm = max(1, min(8, SMEM_PER_SM // (smem_bytes(t, rows, stages) + 1024)))
+    return (sms or 132) * per_sm
+
+
+def stream_slots(n: int, nb: int, rows: int, programs: int) -> np.ndarray:
+    """[slots, N / rows] bool: which of the "stream" schedule's output slots hold a tile's partial products."""
+    tiles = np.arange(n // rows)
+    total = tiles.size * nb
+    first, last = _owner(tiles * nb, total, programs), _owner(tiles * nb + nb - 1, total, programs)
+    return np.arange((last - first).max() + 1)[:, None] <= (last - first)[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "rows", "schedule", "programs"))
 def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES,
-            convert: str | None = None, rows: int | None = None) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU; K split over
-    `splits` programs (default: `default_splits`), `stages` pipeline steps in flight, `rows` weight rows a program
-    (one of ROWS_PER_PROGRAM; default ROWS); `convert` ("ptx" or "mosaic", `_convert`) how the quants become float16
-    weights (`_f16_tile_wgmma` for the "wgmma" order; `_f16_tile`, or Mosaic's int4-to-bf16 and a bf16-to-float16
-    conversion, for the natural one)."""
-    convert = _convert(w, convert)
+            rows: int | None = None, schedule: str | None = None, programs: int | None = None) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU; `stages`
+    pipeline steps in flight, `rows` weight rows a row tile (one of ROWS_PER_PROGRAM; default ROWS). `schedule`
+    (one of SCHEDULES, default SCHEDULE): "grid", a program per row tile and K split (`splits`, default
+    `default_splits`); "stream", `programs` programs (default `default_programs`) taking equal runs of every tile's
+    super-blocks. The quants become float16 weights by `_f16_tile_wgmma` in the "wgmma" order, by `_f16_tile` in
+    the natural one."""
     m, k = x.shape
     n, kw = w.shape
     if k != kw:
@@ -371,13 +470,32 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
     rows = rows or ROWS
     if rows not in ROWS_PER_PROGRAM or n % rows:
         raise ValueError(f"rows per program is one of {ROWS_PER_PROGRAM} and divides the weight's {n}, got {rows}")
+    schedule = schedule or SCHEDULE
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule is one of {SCHEDULES}, got {schedule!r}")
+    t = -(-m // 8) * 8
+    xt = jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
+    if schedule == "stream":
+        total = n // rows * nb
+        programs = min(programs or default_programs(t, rows, stages), total)
+        if total * programs >= 2 ** 31:
+            raise ValueError(f"{total} steps over {programs} programs overflow the kernel's int32 step arithmetic")
+        slots = stream_slots(n, nb, rows, programs)
+        out = plgpu.kernel(
+            functools.partial(_stream_body, t, rows, nb, programs, stages, w.order),
+            out_type=jax.ShapeDtypeStruct((slots.shape[0], n, t), jnp.float32),
+            grid=(programs,), grid_names=("p",),
+            scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
+            kernel_name="qmatmul_mgpu_q4_k",
+        )(w.q, xt, w.scales)
+        # slots no program wrote hold whatever the memory held: where, not a multiply, leaves them out
+        out = jnp.where(jnp.repeat(slots, rows, axis=1)[..., None], out, 0.0)
+        return sum_splits(out, n, m).T
     splits = splits or default_splits(n, k, rows=rows)
     if nb % splits:
         raise ValueError(f"{nb} super-blocks do not split {splits} ways")
-    t = -(-m // 8) * 8
-    xt = jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
     out = plgpu.kernel(
-        functools.partial(_body, t, rows, nb // splits, stages, convert, w.order),
+        functools.partial(_body, t, rows, nb // splits, stages, w.order),
         out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
         grid=(n // rows, splits), grid_names=("n", "k"),
         scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],

@@ -3,11 +3,15 @@ its pipeline loop (how many of each opcode, the barriers, the wgmma waits).
 
     python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --order wgmma]
     python scripts/mgpu_ptx.py --read scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx   # a saved dump, no GPU
+    python scripts/mgpu_ptx.py --read ... --sass   # also assembled for sm_90a by pip's triton (no GPU either)
 
 Mosaic GPU writes what it compiles where MOSAIC_GPU_DUMP_TO says, when MOSAIC_GPU_DUMP_PTX and
 MOSAIC_GPU_DUMP_PTXAS are set; the script sets them, runs the kernel once on a random weight (which compiles it)
 and checks it against its reference, then reads the dump. The opcode counts are of the whole kernel, the loop's
-body unrolled over the super-block's 8 sub-blocks; inline PTX counts by the instructions inside it.
+body unrolled over the super-block's 8 sub-blocks; inline PTX counts by the instructions inside it. `--sass`
+assembles the PTX with the ptxas of pip's `triton` package (its PTX ISA may be older than Mosaic GPU's: the
+`.version` line is lowered to what that ptxas takes, which it says when it refuses) and reports the SASS: the
+kernel's instruction count and its pipeline loop's (the longest loop, `qmatmul_sass.loops`) by opcode.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import argparse
 import collections
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # a statement's opcode: after an optional label and predicate, letters, digits, dots, underscores and colons
@@ -80,6 +86,41 @@ def dump(out: Path, n: int, k: int, m: int, order: str) -> tuple[str, str]:
     return ptx[-1].read_text(), ptxas.read_text() if ptxas.exists() else ""
 
 
+def sass(ptx: str) -> tuple[str, str]:
+    """(SASS, note) of `ptx` assembled for sm_90a by pip triton's ptxas and read back by its cuobjdump; the note
+    says if the PTX's `.version` had to be lowered for that ptxas."""
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    note = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        for _ in range(2):
+            src.write_text(ptx)
+            done = subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", "-O3", str(src), "-o", str(cubin)],
+                                  capture_output=True, text=True)
+            newest = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", done.stderr)
+            if done.returncode == 0 or not newest:
+                break
+            note = f".version lowered to {newest.group(1)} for pip triton's ptxas"
+            ptx = re.sub(r"^\.version [\d.]+", f".version {newest.group(1)}", ptx, count=1, flags=re.M)
+        if done.returncode:
+            raise SystemExit(f"ptxas failed:\n{done.stderr}")
+        return subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout, note
+
+
+def sass_report(sass_text: str, note: str = "") -> str:
+    """The SASS's instruction count and its longest loop's, with the loop's most frequent opcodes."""
+    from qmatmul_sass import loops
+
+    total = len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s", sass_text, flags=re.M))
+    body = max(loops(sass_text), key=len)
+    lines = [f"SASS: {total} instructions; the pipeline loop {len(body)}" + (f" ({note})" if note else "")]
+    lines.append("loop: " + ", ".join(f"{op} {c}" for op, c in collections.Counter(body).most_common(16)))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="directory for Mosaic GPU's dumps (needs a Hopper GPU)")
@@ -88,6 +129,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5120, help="weight columns")
     ap.add_argument("--m", type=int, default=23, help="tokens")
     ap.add_argument("--order", default="wgmma", choices=("wgmma", "natural"), help="the layout's quant order")
+    ap.add_argument("--sass", action="store_true", help="also assemble the PTX (pip's triton) and count the SASS")
     args = ap.parse_args()
     if (args.out is None) == (args.read is None):
         ap.error("give one of --out (compile and dump) and --read (a saved dump)")
@@ -97,6 +139,8 @@ def main() -> None:
     else:
         ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.order)
     print(report(ptx_text, ptxas_text))
+    if args.sass:
+        print(sass_report(*sass(ptx_text)))
 
 
 if __name__ == "__main__":

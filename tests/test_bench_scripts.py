@@ -295,3 +295,27 @@ def test_mgpu_ptx_counts_the_kernels_instructions(capsys, monkeypatch):
     for line in ("Used 64 registers", "wgmma.mma_async              16", "lop3                         64",
                  "fma.rn.f16x2                 64", "prmt                         0"):
         assert line in out, line
+    sass = """
+        /*0000*/                   S2R R21, SR_TID.X ;
+        /*0010*/                   WARPGROUP.ARRIVE ;
+        /*0020*/                   HFMA2 R52, R52, R58.H0_H0, R37.H1_H1 ;
+        /*0030*/                   HGMMA.64x24x16.F32 R24, R48, gdesc[UR24], R24 ;
+        /*0040*/              @P0 BRA 0x10 ;
+        /*0050*/                   EXIT ;
+    """
+    assert mgpu_ptx.sass_report(sass, "a note") == ("SASS: 6 instructions; the pipeline loop 4 (a note)\n"
+                                                    "loop: WARPGROUP 1, HFMA2 1, HGMMA 1, BRA 1")
+
+
+def test_mgpu_ptx_assembles_the_saved_dump(capsys, monkeypatch):
+    """scripts/mgpu_ptx.py --sass on the saved PTX of the shipped kernel, assembled by pip triton's ptxas: its loop
+    (one super-block step) is 512 SASS instructions with no byte permute left (the scale broadcasts fold into the
+    fma's operand selectors)."""
+    pytest.importorskip("triton", reason="--sass assembles with the ptxas of pip's triton package")
+    import mgpu_ptx
+
+    saved = ROOT / "scripts/results/ptx/qmatmul_mgpu_scale_words_m23_h100.ptx"
+    monkeypatch.setattr(sys, "argv", ["mgpu_ptx.py", "--read", str(saved), "--sass"])
+    mgpu_ptx.main()
+    out = capsys.readouterr().out
+    assert "the pipeline loop 512" in out and "PRMT" not in out.split("loop: ")[-1]

@@ -1,8 +1,6 @@
 """The Mosaic GPU Q4_K kernel (pallas_kernels/qmatmul_mgpu.py): its layout and reference on a CPU, that it lowers
 for CUDA with no GPU, and (-m gpu) the compiled kernel against its reference at the 27B's Q4_K shapes."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +25,7 @@ def test_layout_holds_the_gguf_values_exactly(order):
     qt = q4k(128, 768)
     w = mg.pack(qt, order)
     assert w.order == order
-    assert w.q.dtype == jnp.int4 and w.scales.dtype == jnp.uint8 and w.scales.shape == (3 * 20, 128)
+    assert w.q.dtype == jnp.int4 and w.scales.dtype == jnp.uint32 and w.scales.shape == (3 * 5, 128)
     np.testing.assert_array_equal(np.asarray(mg.dequantize(w)), np.asarray(dequantize(qt)))
     assert w.nbytes == 128 * 768 // 256 * (128 + 16 + 4)  # 148 bytes a super-block: the GGUF's 144 + 2.8 %
 
@@ -84,43 +82,76 @@ def test_refuses_what_it_cannot_take():
         mg.qmatmul(jnp.zeros((4, 256)), w)
     with pytest.raises(ValueError, match="split 4 ways"):
         mg.qmatmul(jnp.zeros((4, 512)), w, splits=4)
-    with pytest.raises(ValueError, match="convert is one of"):
-        mg.qmatmul(jnp.zeros((4, 512)), w, convert="cvt")
+    with pytest.raises(ValueError, match="schedule is one of"):
+        mg.qmatmul(jnp.zeros((4, 512)), w, schedule="waves")
     with pytest.raises(ValueError, match="rows per program"):
         mg.qmatmul(jnp.zeros((4, 512)), w, rows=128)  # 64 rows
-    with pytest.raises(ValueError, match="inline PTX only"):
-        mg.qmatmul(jnp.zeros((4, 512)), w, convert="mosaic")
     with pytest.raises(ValueError, match="order is one of"):
         mg.pack(q4k(64, 256), "rows")
 
 
-# (order, convert): the default, then the natural order's two conversions
-FORMS = [("wgmma", "ptx"), ("natural", "ptx"), ("natural", "mosaic")]
-
-
-@pytest.mark.parametrize("m,order,convert", [(1, *FORMS[0]), (23, *FORMS[0]), (64, *FORMS[0]),
-                                             (23, *FORMS[1]), (23, *FORMS[2])])
-def test_lowers_for_cuda_on_a_cpu(m, order, convert):
+@pytest.mark.parametrize("m,order,schedule", [(1, "wgmma", "grid"), (23, "wgmma", "grid"), (64, "wgmma", "grid"),
+                                              (23, "natural", "grid"), (1, "wgmma", "stream"), (23, "wgmma", "stream")])
+def test_lowers_for_cuda_on_a_cpu(m, order, schedule):
     """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes, the inline PTX's operands) run without a
     GPU."""
     w = mg.pack(q4k(128, 1024), order)
     x = jnp.zeros((m, 1024), jnp.float32)
-    text = jax.jit(functools.partial(mg.qmatmul, convert=convert)).trace(x, w).lower(
+    text = jax.jit(mg.qmatmul, static_argnames="schedule").trace(x, w, schedule=schedule).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
-def test_both_conversions_round_the_weights_once_to_float16():
-    """The PTX form (q s - dmin m) and Mosaic's (q - 8 with 8 s - dmin m) are each the exact weight rounded once to
-    float16, within float16's rounding of their scale and offset; the "wgmma" order's are the PTX form's."""
+def test_weights_are_rounded_once_to_float16():
+    """The kernel's weights (q s - dmin m, the scale and min in float16) are the exact weights rounded once to
+    float16, within float16's rounding of their scale and min, in either order."""
     qt = q4k(128, 512, seed=4)
     w = mg.pack(qt, "natural")
     exact = mg.dequantize(w) * 2.0 ** qm.F16_SHIFT
-    for convert in mg.CONVERTS:
-        got = mg.f16_weights(w, convert).astype(jnp.float32)
-        assert rel(got, exact) < 5e-4, convert
-    np.testing.assert_array_equal(np.asarray(mg.f16_weights(mg.pack(qt, "wgmma"))),
-                                  np.asarray(mg.f16_weights(w, "ptx")))
+    assert rel(mg.f16_weights(w).astype(jnp.float32), exact) < 5e-4
+    np.testing.assert_array_equal(np.asarray(mg.f16_weights(mg.pack(qt, "wgmma"))), np.asarray(mg.f16_weights(w)))
+
+
+def test_scale_pairs_emulated_are_the_reference_scales():
+    """An emulation of `_scale_pairs` and `_scaled_dd` on the packed words (the lop3 that masks a sub-block's two
+    codes and sets float16's exponent of 1024 above them, a sub, an f16x2 multiply by (d, -dmin) 2**F16_SHIFT)
+    gives the float16 scale and negated min that `f16_weights` applies, bit for bit."""
+    w = mg.pack(q4k(64, 512, seed=9))
+    words = np.asarray(w.scales).T.reshape(64, 2, mg.SCALE_WORDS)
+    gain = np.array([mg.GAIN_PAIR], np.uint32).view(np.float16).astype(np.float32)  # (2**F16_SHIFT, -2**F16_SHIFT)
+    dd = (words[..., -1:].view(np.float16).astype(np.float32) * gain).astype(np.float16).astype(np.float32)
+    scale, neg_min = (np.asarray(jnp.asarray(a * 2.0 ** qm.F16_SHIFT, jnp.float16)) for a in mg._scales(w))
+    for j in range(mg.SUB_BLOCKS):
+        word = words[..., j // 2]
+        biased = ((word >> (8 * (j % 2))) & 0x00FF00FF) | 0x64006400  # the lop3: 1024 + scale code, 1024 + min code
+        biased = np.ascontiguousarray(biased, np.uint32).view(np.float16).reshape(64, 2, 2).astype(np.float32)
+        both = ((biased - 1024) * dd).astype(np.float16)  # the sub (exact) and the multiply, rounded once
+        np.testing.assert_array_equal(both[..., 0], scale[:, j::mg.SUB_BLOCKS].reshape(64, 2))
+        np.testing.assert_array_equal(both[..., 1], neg_min[:, j::mg.SUB_BLOCKS].reshape(64, 2))
+
+
+@pytest.mark.parametrize("n,k,programs", [(17408, 5120, 396), (5120, 17408, 396), (128, 512, 3), (640, 256, 7)])
+def test_stream_schedule_covers_every_step_once(n, k, programs):
+    """An emulation of `_stream_body`'s ranges and stores: every (row tile, super-block) step falls in one program's
+    range, and the tile-end stores land once each on exactly the slots `stream_slots` keeps, each slot's steps
+    contiguous."""
+    nb, tiles = k // 256, n // mg.ROWS
+    total = tiles * nb
+    slots = mg.stream_slots(n, nb, mg.ROWS, programs)
+    seen, stored, run = np.zeros(total, int), {}, 0
+    for p in range(programs):
+        start, end = p * total // programs, (p + 1) * total // programs
+        for g in range(start, end):
+            seen[g] += 1
+            assert mg._owner(g, total, programs) == p
+            run += 1
+            if g % nb == nb - 1 or g == end - 1:
+                key = (p - mg._owner(g // nb * nb, total, programs), g // nb)
+                assert key not in stored
+                stored[key], run = run, 0
+    assert (seen == 1).all()
+    assert sorted(stored) == sorted(zip(*np.nonzero(slots)))
+    assert all(sum(v for (s, tile), v in stored.items() if tile == t) == nb for t in range(tiles))
 
 
 def test_default_splits_divide_the_super_blocks():
@@ -192,14 +223,27 @@ Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 614
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", Q4K_27B)
-@pytest.mark.parametrize("m,order,convert", [(m, *FORMS[0]) for m in (2, 16, 23, 32, 64)]
-                         + [(m, *form) for m in (2, 23) for form in FORMS[1:]])
-def test_kernel_at_27b_shapes(n, k, m, order, convert):
+@pytest.mark.parametrize("m,order,schedule", [(m, "wgmma", "grid") for m in (2, 16, 23, 32, 64)]
+                         + [(2, "natural", "grid"), (23, "natural", "grid"), (2, "wgmma", "stream"),
+                            (23, "wgmma", "stream"), (64, "wgmma", "stream")])
+def test_kernel_at_27b_shapes(n, k, m, order, schedule):
     w = mg.pack(q4k(n, k, seed=m), order)
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
-    got = mg.qmatmul(x, w, convert=convert)
+    got = mg.qmatmul(x, w, schedule=schedule)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
-    assert rel(got, mg.reference(x, w, convert)) < 1e-4
+    assert rel(got, mg.reference(x, w)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order,schedule", [("wgmma", "grid"), ("natural", "grid"), ("wgmma", "stream")])
+def test_kernel_multiplies_the_reference_float16_weights(order, schedule):
+    """x one-hot at 64 columns (a 2**F16_SHIFT, exact in float16) reads 64 of the kernel's weights out exactly:
+    every row's float16 weight at each column is `f16_weights`', bit for bit."""
+    w = mg.pack(q4k(512, 2048, seed=11), order)
+    cols = np.random.default_rng(0).permutation(2048)[:64]
+    x = jnp.zeros((64, 2048), jnp.float32).at[np.arange(64), cols].set(2.0 ** qm.F16_SHIFT)
+    np.testing.assert_array_equal(np.asarray(mg.qmatmul(x, w, schedule=schedule, programs=13)),
+                                  np.asarray(mg.f16_weights(w)[:, cols].T.astype(jnp.float32)))
 
 
 @pytest.mark.gpu
