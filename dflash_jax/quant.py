@@ -193,11 +193,18 @@ def _q5_k(d, dmin, scales, qh, qs):
     return _k_affine(d, dmin, scales, low | (_bits(qh, 8) << 4))  # sub-block j's 5th bit is bit j of qh[l]
 
 
-def _q6_k(ql, qh, scales, d):
+def q6_k_quants(ql: jax.Array, qh: jax.Array) -> jax.Array:
+    """Q6_K's 6-bit quants (0..63, before the offset of 32) [..., 256] uint8 in column order, from its ql [..., 128]
+    and qh [..., 64] bytes."""
     lead = ql.shape[:-1]
     low = _nibbles(ql.reshape(*lead, 2, 64)).reshape(*lead, 2, 4, 32)  # group 2s + c of half h: ql[64h+32c+l] >> 4s
     high = (qh.reshape(*lead, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]) & 3  # [..., 2, 4, 32]
-    q = _f32((low | (high << 4)).astype(jnp.int8) - 32).reshape(*lead, 16, 16)
+    return (low | (high << 4)).reshape(*lead, QK_K)
+
+
+def _q6_k(ql, qh, scales, d):
+    lead = ql.shape[:-1]
+    q = _f32(q6_k_quants(ql, qh).astype(jnp.int8) - 32).reshape(*lead, 16, 16)
     return ((_f32(d) * _f32(scales))[..., None] * q).reshape(*lead, QK_K)
 
 

@@ -70,8 +70,8 @@ class PackedWeight:
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     # whether float16 holds the weights, scales and mins times 2**F16_SHIFT (`f16x2` tiles; `pack` checks)
     f16_ok: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    # the same Q4_K weight in the Mosaic GPU kernel's layout (qmatmul_mgpu.MgpuQ4K), where `pack` made one
-    # (`MGPU_LAYOUT`); products of 2-64 rows then take that kernel on a GPU (`MGPU`)
+    # the same weight in a Mosaic GPU kernel's layout (qmatmul_mgpu.MgpuQ4K, qmatmul_mgpu_q6k.MgpuQ6K), where `pack`
+    # made one (`MGPU_LAYOUT`, `MGPU_FORMATS`); products of 2-64 rows then take that kernel on a GPU (`MGPU`)
     mgpu: object = None
 
     @property
@@ -121,17 +121,30 @@ def pack(qt: QTensor) -> PackedWeight:
     return PackedWeight(data, qt.fmt, (n, k), f16_ok=f16_fits(qt.fmt, data), mgpu=mgpu)
 
 
+def mgpu_module(fmt: str):
+    """The Mosaic GPU kernel module for weights of `fmt` (Q4_K: qmatmul_mgpu, Q6_K: qmatmul_mgpu_q6k)."""
+    # imported here: both build on this module
+    if fmt == "Q4_K":
+        from pallas_kernels import qmatmul_mgpu
+        return qmatmul_mgpu
+    if fmt == "Q6_K":
+        from pallas_kernels import qmatmul_mgpu_q6k
+        return qmatmul_mgpu_q6k
+    raise NotImplementedError(f"no Mosaic GPU kernel is written for {fmt} weights (Q4_K and Q6_K only)")
+
+
 def mgpu_layout(qt: QTensor):
-    """The Mosaic GPU kernel's layout of a Q4_K weight when `MGPU_LAYOUT` asks for it and the kernel takes the
-    weight (rows a multiple of 64, float16 holds it; concrete arrays), else None."""
+    """A Mosaic GPU kernel's layout of a weight whose format is in `MGPU_FORMATS` when `MGPU_LAYOUT` asks for it and
+    the kernel takes the weight (rows a multiple of 64, float16 holds it; concrete arrays), else None."""
     if MGPU_LAYOUT not in MGPU_LAYOUTS:
         raise ValueError(f"MGPU_LAYOUT is one of {MGPU_LAYOUTS}, got {MGPU_LAYOUT!r}")
-    if not MGPU_LAYOUT or qt.fmt != "Q4_K" or any(isinstance(a, jax.core.Tracer) for a in qt.data.values()):
+    if not set(MGPU_FORMATS) <= {"Q4_K", "Q6_K"}:
+        raise ValueError(f"MGPU_FORMATS holds Q4_K and Q6_K at most, got {MGPU_FORMATS!r}")
+    if (not MGPU_LAYOUT or qt.fmt not in MGPU_FORMATS
+            or any(isinstance(a, jax.core.Tracer) for a in qt.data.values())):
         return None
-    from pallas_kernels import qmatmul_mgpu  # imported here: qmatmul_mgpu builds on this module
-
     try:
-        return qmatmul_mgpu.pack(qt)
+        return mgpu_module(qt.fmt).pack(qt)
     except ValueError:  # rows not a multiple of 64, or a weight float16 cannot hold: the Triton kernels take it
         return None
 
@@ -383,10 +396,9 @@ def dequantize_packed(pw: PackedWeight, tile_math: str = "f32") -> jax.Array:
     f16x2's 2**F16_SHIFT taken back off: exact)."""
     n, k = pw.shape
     if pw.mgpu_only:  # the Mosaic kernel's float16 weights stand for f16x2's (the same arithmetic)
-        from pallas_kernels import qmatmul_mgpu  # imported here: qmatmul_mgpu builds on this module
-
-        return (qmatmul_mgpu.dequantize(pw.mgpu) if tile_math == "f32" else
-                qmatmul_mgpu.f16_weights(pw.mgpu).astype(jnp.float32) / weight_gain("f16x2"))
+        kernel = mgpu_module(pw.fmt)
+        return (kernel.dequantize(pw.mgpu) if tile_math == "f32" else
+                kernel.f16_weights(pw.mgpu).astype(jnp.float32) / weight_gain("f16x2"))
     get, tile_math = whole_rows(pw.data), tile_math if pw.fmt in PTX_FORMATS else "f32"
     out = jnp.zeros((n, k), jnp.float32)
     for plane, cols in enumerate(plane_columns(pw.fmt, k)):
@@ -483,6 +495,9 @@ X_VIEW = False
 # (generate.mgpu_layout)
 MGPU_LAYOUTS = (False, True, "only")
 MGPU_LAYOUT = False
+# the formats `MGPU_LAYOUT` applies to: Q4_K; Q6_K's kernel (qmatmul_mgpu_q6k.py) is written and checked on a CPU,
+# not yet run on a GPU, so it joins once it has
+MGPU_FORMATS = ("Q4_K",)
 MGPU = True
 # Per format, how the tensor-core kernel dequantizes its tiles (`TILE_MATHS`; f32 for a weight f16x2 cannot hold).
 # f16x2: Q4_K's kernels 1.02-1.15x faster than f32 and 6x closer to the float32 product (3.0e-4 against 1.7e-3), the
@@ -745,9 +760,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, block_n: int | None = None, colum
         raise ValueError("this weight is packed for the Mosaic GPU kernel alone (MGPU_LAYOUT 'only'), which runs on "
                          "a Hopper GPU, not in interpret mode or with mgpu=False")
     if pw.mgpu_only or (pw.mgpu is not None and (MGPU if mgpu is None else mgpu) and not gemv and not interpret):
-        from pallas_kernels import qmatmul_mgpu  # imported here: qmatmul_mgpu builds on this module
-
-        return qmatmul_mgpu.qmatmul(x, pw.mgpu)
+        return mgpu_module(pw.fmt).qmatmul(x, pw.mgpu)
     kernel = "gemv" if gemv else "mma"
     asm = ASM[kernel] and not interpret if asm is None else asm
     if asm and interpret:

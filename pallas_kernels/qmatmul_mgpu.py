@@ -200,9 +200,10 @@ def _scalar(reg):
     return vector.extract(reg, [], [0])
 
 
-def _scaled_dd(words):
+def _scaled_dd(words, gain: int = GAIN_PAIR):
     """Each row's word (d, dmin) [rows] uint32 (a row vector) -> (d, -dmin) 2**F16_SHIFT as float16 pairs (exact:
-    `f16_fits` keeps them finite), one f16x2 multiply a register."""
+    `f16_fits` keeps them finite), one f16x2 multiply a register by `gain` (an f16x2 constant, default
+    GAIN_PAIR)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
@@ -216,17 +217,18 @@ def _scaled_dd(words):
         out = np.empty_like(df.registers)
         for idx, reg in np.ndenumerate(df.registers):
             pair = llvm.inline_asm(i32, [_scalar(reg)],
-                                   f"{{ .reg .b32 k; mov.b32 k, {GAIN_PAIR:#010x}; mul.rn.f16x2 $0, $1, k; }}", "=r,r")
+                                   f"{{ .reg .b32 k; mov.b32 k, {gain:#010x}; mul.rn.f16x2 $0, $1, k; }}", "=r,r")
             out[idx] = mu.bitcast(pair, reg.type)
         return fa.FragmentedArray(_registers=out, _layout=df.layout, _is_signed=False)
 
     return scale(words)
 
 
-def _scale_pairs(word, dd, part: int):
+def _scale_pairs(word, dd, part: int, bias: int = 0x6400):
     """One row's sub-block scale and min codes, bytes part and part + 2 of `word` (i32), and its (d, -dmin)
     2**F16_SHIFT pair `dd` -> (scale, neg_min) as f16x2 (i32). A lop3 masks the two codes (shifted down a byte for
-    part 1) and sets float16's exponent of 1024 above each (1024 + code, exact), a sub takes the 1024 off and one
+    part 1) and xors float16's `bias` over each: 0x6400 sets the exponent of 1024 (1024 + code, exact); 0x6480 also
+    flips the sign bit of an int8 code (1152 + code, qmatmul_mgpu_q6k's scales). A sub takes the bias off and one
     f16x2 multiply makes both products, each rounded once as the reference (`f16_weights`) rounds them."""
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import llvm
@@ -236,8 +238,8 @@ def _scale_pairs(word, dd, part: int):
         f"""{{
         .reg .b32 t, k;
         {"shr.b32 t, $1, 8;" if part else "mov.b32 t, $1;"}
-        lop3.b32 t, t, 0x00ff00ff, 0x64006400, 0xea;
-        mov.b32 k, 0x64006400;
+        lop3.b32 t, t, 0x00ff00ff, {bias * 0x10001:#010x}, 0x6a;
+        mov.b32 k, {bias * 0x10001:#010x};
         sub.f16x2 t, t, k;
         mul.rn.f16x2 $0, t, $2;
         }}""",
@@ -451,6 +453,18 @@ def stream_slots(n: int, nb: int, rows: int, programs: int) -> np.ndarray:
     return np.arange((last - first).max() + 1)[:, None] <= (last - first)[None, :]
 
 
+def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
+    """(t, x^T's operand): x [M, K] checked against a weight of `shape` [N, K] and 1 <= M <= M_MAX, as float16
+    times 2**-F16_SHIFT, zero-padded to t, a multiple of 8 tokens (wgmma's N)."""
+    m, k = x.shape
+    if k != shape[1]:
+        raise ValueError(f"x has {k} columns, the weight {shape[1]}")
+    if not 1 <= m <= M_MAX:
+        raise ValueError(f"the Mosaic GPU kernel takes 1 to {M_MAX} rows of x, got {m}")
+    t = -(-m // 8) * 8
+    return t, jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
+
+
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "rows", "schedule", "programs"))
 def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES,
             rows: int | None = None, schedule: str | None = None, programs: int | None = None) -> jax.Array:
@@ -460,12 +474,8 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
     `default_splits`); "stream", `programs` programs (default `default_programs`) taking equal runs of every tile's
     super-blocks. The quants become float16 weights by `_f16_tile_wgmma` in the "wgmma" order, by `_f16_tile` in
     the natural one."""
-    m, k = x.shape
-    n, kw = w.shape
-    if k != kw:
-        raise ValueError(f"x has {k} columns, the weight {kw}")
-    if not 1 <= m <= M_MAX:
-        raise ValueError(f"the Mosaic GPU kernel takes 1 to {M_MAX} rows of x, got {m}")
+    (m, k), (n, _) = x.shape, w.shape
+    t, xt = x_tokens(x, w.shape)
     nb = k // QK_K
     rows = rows or ROWS
     if rows not in ROWS_PER_PROGRAM or n % rows:
@@ -473,8 +483,6 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
     schedule = schedule or SCHEDULE
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule is one of {SCHEDULES}, got {schedule!r}")
-    t = -(-m // 8) * 8
-    xt = jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
     if schedule == "stream":
         total = n // rows * nb
         programs = min(programs or default_programs(t, rows, stages), total)

@@ -12,10 +12,10 @@ by kernel (the product's own and XLA's around it), and each line names the longe
 variants, `--splits` the K split over 1, 2, 4 and 8 programs, `--variants` any qmatmul options (e.g.
 `asm=1,prefetch=1`).
 
-qmatmul_mgpu: the Mosaic GPU Q4_K kernel (pallas_kernels/qmatmul_mgpu.py) on the 27B's Q4_K shapes at each `--m`,
-beside qmatmul on the same weights in the same run; its rate also counts GGUF bytes (its layout reads 2.8 % more).
-`--variants` options apply to it here (e.g. `splits=2`, `stages=4`; `order=natural` packs the quants in that
-order).
+qmatmul_mgpu: the Mosaic GPU kernels on the 27B's Q4_K shapes (pallas_kernels/qmatmul_mgpu.py) and Q6_K ones
+(qmatmul_mgpu_q6k.py) at each `--m`, beside qmatmul on the same weights in the same run; its rate also counts GGUF
+bytes (its layouts read 2.8 % and 1 % more). `--variants` options apply to the Q4_K kernel here (e.g. `splits=2`,
+`stages=4`; `order=natural` packs the quants in that order).
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
@@ -56,6 +56,7 @@ from dflash_jax.testing.synthetic import random_matrix  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
 from pallas_kernels import qmatmul_mgpu as mg  # noqa: E402
+from pallas_kernels import qmatmul_mgpu_q6k as q6  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels.tree_attention import tree_attention  # noqa: E402
 from pallas_kernels.tree_conv import tree_conv  # noqa: E402
@@ -152,15 +153,18 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
 
 
 def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None, extra: list[dict] = ()) -> list[dict]:
-    """The Mosaic GPU Q4_K kernel and qmatmul on each 27B Q4_K shape at each M, errors against the float32
+    """The Mosaic GPU kernels and qmatmul on each 27B Q4_K and Q6_K shape at each M, errors against the float32
     product of the GGUF weights."""
     rows = []
     for name, fmt, n, k in SHAPES:
-        if fmt != "Q4_K" or (only and f"{name}:{fmt}" not in only):
+        if fmt not in ("Q4_K", "Q6_K") or (only and f"{name}:{fmt}" not in only):
             continue
         qts, gguf_bytes = _copies(fmt, n, k)
         packed = {"qmatmul": [qm.pack(q) for q in qts]}  # and qmatmul_mgpu's per order, packed when first asked
-        kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": (mg.qmatmul, [dict(), *extra])}
+        if fmt == "Q6_K":
+            packed[mg.ORDER] = [q6.pack(q) for q in qts]
+        mosaic = (mg.qmatmul, [dict(), *extra]) if fmt == "Q4_K" else (q6.qmatmul, [dict()])
+        kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": mosaic}
         exact_w = dequantize(qts[0])
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 # the module-level kernel choices and tiles of qmatmul (and of qmatmul_mgpu: ORDER), which a benchmark may
 # change for one run
 QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
-                    "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "ORDER", "qmatmul")
+                    "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "MGPU_FORMATS", "ORDER", "qmatmul")
 
 
 def _module_of(name: str):
