@@ -52,9 +52,12 @@ ROWS_PER_PROGRAM = (64, 128, 256)
 GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
 SCALE_WORDS = SUB_BLOCKS // 2 + 1  # 32-bit words per row and super-block of `MgpuQ4K.scales`
-SCHEDULES = ("grid", "stream")  # how programs share the work (`qmatmul`)
-SCHEDULE = "grid"  # "stream" was 0.88-1.04x its speed on an H200 (scripts/results/qmatmul_mgpu_stream_h200.txt)
+SCHEDULES = ("grid", "stream", "specialized")  # how programs share the work (`qmatmul`)
+# "stream" was 0.88-1.04x its speed on an H200 (scripts/results/qmatmul_mgpu_stream_h200.txt); "specialized" is
+# written and lowered on a CPU, not yet run on a GPU
+SCHEDULE = "grid"
 SMEM_PER_SM = 228 * 1024  # Hopper's shared memory per SM
+SPECIALIZED_WGS = 2  # compute warpgroups of the "specialized" schedule, 64 weight rows each
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
 ORDERS = ("wgmma", "natural")  # how `pack` orders the quants of each 32-column group (`MgpuQ4K.order`)
@@ -394,6 +397,34 @@ def _body(t: int, rows: int, steps: int, stages: int, order: str, w_gmem, x_gmem
     plgpu.wait_smem_to_gmem(0)
 
 
+def _specialized_body(t: int, steps: int, stages: int, order: str, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
+    """The "specialized" schedule: a program per 2 x 64 weight rows and K split, three warpgroups: a memory one that
+    only issues the TMA copies (`emit_pipeline_warp_specialized`) and two compute ones, each converting and
+    multiplying its 64 rows against the x tile they share."""
+    ni, si, wg = jax.lax.axis_index("n"), jax.lax.axis_index("k"), jax.lax.axis_index("wg")
+    rows = SPECIALIZED_WGS * ROWS
+
+    def body(_, w_smem, x_smem, scales_smem, acc_ref):
+        mine = pl.ds(wg * ROWS, ROWS)
+        _multiply(order, w_smem.at[mine], x_smem, scales_smem.at[:, mine], acc_ref)
+        return acc_ref
+
+    def compute_context(pipeline):
+        def scope(acc_ref):
+            pipeline(acc_ref)
+            o_smem.at[wg][...] = acc_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[si, pl.ds(ni * rows + wg * ROWS, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scope, plgpu.ACC((ROWS, t), jnp.float32))
+
+    plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=40, in_specs=_specs(t, rows, lambda i: (ni, si * steps + i)),
+        wg_axis="wg", num_compute_wgs=SPECIALIZED_WGS, max_concurrent_steps=stages,
+        compute_context=compute_context)(w_gmem, x_gmem, scales_gmem)
+
+
 def _owner(g, total: int, programs: int):
     """The program whose range of the flattened (row tile, super-block) steps holds step g (`_stream_body`); numpy
     or traced integers."""
@@ -499,9 +530,22 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
         # slots no program wrote hold whatever the memory held: where, not a multiply, leaves them out
         out = jnp.where(jnp.repeat(slots, rows, axis=1)[..., None], out, 0.0)
         return sum_splits(out, n, m).T
+    if schedule == "specialized":
+        rows = SPECIALIZED_WGS * ROWS
+        if n % rows:
+            raise ValueError(f"the specialized schedule takes weights of a multiple of {rows} rows, got {n}")
     splits = splits or default_splits(n, k, rows=rows)
     if nb % splits:
         raise ValueError(f"{nb} super-blocks do not split {splits} ways")
+    if schedule == "specialized":
+        out = plgpu.kernel(
+            functools.partial(_specialized_body, t, nb // splits, stages, w.order),
+            out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
+            grid=(n // rows, splits), grid_names=("n", "k"), num_threads=SPECIALIZED_WGS + 1, thread_name="wg",
+            scratch_types=[plgpu.SMEM((SPECIALIZED_WGS, ROWS, t), jnp.float32)],
+            kernel_name="qmatmul_mgpu_q4_k",
+        )(w.q, xt, w.scales)
+        return sum_splits(out, n, m).T
     out = plgpu.kernel(
         functools.partial(_body, t, rows, nb // splits, stages, w.order),
         out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),

@@ -84,6 +84,8 @@ def test_refuses_what_it_cannot_take():
         mg.qmatmul(jnp.zeros((4, 512)), w, splits=4)
     with pytest.raises(ValueError, match="schedule is one of"):
         mg.qmatmul(jnp.zeros((4, 512)), w, schedule="waves")
+    with pytest.raises(ValueError, match="multiple of 128 rows"):
+        mg.qmatmul(jnp.zeros((4, 512)), w, schedule="specialized")  # 64 rows
     with pytest.raises(ValueError, match="rows per program"):
         mg.qmatmul(jnp.zeros((4, 512)), w, rows=128)  # 64 rows
     with pytest.raises(ValueError, match="order is one of"):
@@ -91,7 +93,8 @@ def test_refuses_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("m,order,schedule", [(1, "wgmma", "grid"), (23, "wgmma", "grid"), (64, "wgmma", "grid"),
-                                              (23, "natural", "grid"), (1, "wgmma", "stream"), (23, "wgmma", "stream")])
+                                              (23, "natural", "grid"), (1, "wgmma", "stream"), (23, "wgmma", "stream"),
+                                              (1, "wgmma", "specialized"), (23, "wgmma", "specialized")])
 def test_lowers_for_cuda_on_a_cpu(m, order, schedule):
     """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes, the inline PTX's operands) run without a
     GPU."""
@@ -224,8 +227,8 @@ Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 614
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", Q4K_27B)
 @pytest.mark.parametrize("m,order,schedule", [(m, "wgmma", "grid") for m in (2, 16, 23, 32, 64)]
-                         + [(2, "natural", "grid"), (23, "natural", "grid"), (2, "wgmma", "stream"),
-                            (23, "wgmma", "stream"), (64, "wgmma", "stream")])
+                         + [(2, "natural", "grid"), (23, "natural", "grid")]
+                         + [(m, "wgmma", schedule) for schedule in ("stream", "specialized") for m in (2, 23, 64)])
 def test_kernel_at_27b_shapes(n, k, m, order, schedule):
     w = mg.pack(q4k(n, k, seed=m), order)
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
@@ -235,7 +238,8 @@ def test_kernel_at_27b_shapes(n, k, m, order, schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order,schedule", [("wgmma", "grid"), ("natural", "grid"), ("wgmma", "stream")])
+@pytest.mark.parametrize("order,schedule", [("wgmma", "grid"), ("natural", "grid"), ("wgmma", "stream"),
+                                            ("wgmma", "specialized")])
 def test_kernel_multiplies_the_reference_float16_weights(order, schedule):
     """x one-hot at 64 columns (a 2**F16_SHIFT, exact in float16) reads 64 of the kernel's weights out exactly:
     every row's float16 weight at each column is `f16_weights`', bit for bit."""
