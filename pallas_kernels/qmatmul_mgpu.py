@@ -260,15 +260,15 @@ BROADCAST = """.reg .b16 sl, sh;
 
 def _f16_tile(q, words, dd, part: int):
     """q [64 r, 32] int4 as loaded (WGMMA_UPCAST_4X layout: 8 nibbles a 32-bit register) -> float16 [64 r, 32] in
-    WGMMA layout, (q ^ 8) scale + neg_min per row, the row's scale and min codes in `words` (bytes 2 part, 2 part
-    + 1) and its (d, -dmin) pair in `dd` (`_scale_pairs`).
+    WGMMA layout, (q ^ 8) scale + neg_min per row, the row's scale and min codes in `words` (bytes part, part + 2)
+    and its (d, -dmin) pair in `dd` (`_scale_pairs`).
 
     Mosaic GPU's relayout to WGMMA (a lane shuffle and a prmt per register) leaves each register two nibbles of a
     32-bit word. Then, by inline PTX, a prmt puts the two nibbles in the low bits of two halves; a lop3 masks them,
     flips the stored sign bit (the int4 holds q - 8) and sets float16's exponent of 1024, which makes 1024 + q
     exactly; a sub takes the 1024 off and one fma applies the row's scale and negated min, two weights an
     instruction. The same part and byte order as Mosaic GPU's own int4-to-bf16 conversion (FragmentedArray.astype),
-    which this replaces."""
+    which this replaced."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
