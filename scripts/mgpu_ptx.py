@@ -1,7 +1,7 @@
-"""The Mosaic GPU Q4_K kernel's PTX and ptxas report, on a Hopper GPU: registers, spills, and the instructions of
-its pipeline loop (how many of each opcode, the barriers, the wgmma waits).
+"""The Mosaic GPU kernels' PTX and ptxas report (Q4_K, or Q6_K with --fmt), on a Hopper GPU: registers, spills,
+and the instructions of its pipeline loop (how many of each opcode, the barriers, the wgmma waits).
 
-    python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --order wgmma]
+    python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --order wgmma --fmt Q4_K --schedule grid]
     python scripts/mgpu_ptx.py --read scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx   # a saved dump, no GPU
     python scripts/mgpu_ptx.py --read ... --sass   # also assembled for sm_90a by pip's triton (no GPU either)
 
@@ -62,8 +62,9 @@ def report(ptx: str, ptxas: str = "") -> str:
     return "\n".join(lines)
 
 
-def dump(out: Path, n: int, k: int, m: int, order: str) -> tuple[str, str]:
-    """Compile and run the kernel once with Mosaic GPU's dumps going to `out`; the PTX and ptxas texts."""
+def dump(out: Path, n: int, k: int, m: int, order: str, fmt: str = "Q4_K", schedule: str = "grid") -> tuple[str, str]:
+    """Compile and run the kernel for `fmt` (Q4_K: qmatmul_mgpu in `order` and `schedule`; Q6_K: qmatmul_mgpu_q6k)
+    once with Mosaic GPU's dumps going to `out`; the PTX and ptxas texts."""
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(out))
     import jax
@@ -72,14 +73,20 @@ def dump(out: Path, n: int, k: int, m: int, order: str) -> tuple[str, str]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dflash_jax.testing.synthetic import random_matrix
     from pallas_kernels import qmatmul_mgpu as mg
+    from pallas_kernels import qmatmul_mgpu_q6k as q6
 
     if not mg.available():
         raise SystemExit("the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x)")
-    w = mg.pack(random_matrix(jax.random.key(0), "Q4_K", (n, k)), order)
+    qt = random_matrix(jax.random.key(0), fmt, (n, k))
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
-    got, want = mg.qmatmul(x, w), mg.reference(x, w)
+    if fmt == "Q6_K":
+        w = q6.pack(qt)
+        got, want = q6.qmatmul(x, w), q6.reference(x, w)
+    else:
+        w = mg.pack(qt, order)
+        got, want = mg.qmatmul(x, w, schedule=schedule), mg.reference(x, w)
     print(f"max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}")
-    ptx = sorted(out.glob("qmatmul_mgpu_q4_k*.ptx"))
+    ptx = sorted(out.glob(f"qmatmul_mgpu_{fmt.lower()}*.ptx"))
     if not ptx:
         raise SystemExit(f"no PTX was dumped to {out}")
     ptxas = ptx[-1].with_suffix(".ptxas")
@@ -128,7 +135,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1024, help="weight rows")
     ap.add_argument("--k", type=int, default=5120, help="weight columns")
     ap.add_argument("--m", type=int, default=23, help="tokens")
-    ap.add_argument("--order", default="wgmma", choices=("wgmma", "natural"), help="the layout's quant order")
+    ap.add_argument("--order", default="wgmma", choices=("wgmma", "natural"), help="the Q4_K layout's quant order")
+    ap.add_argument("--fmt", default="Q4_K", choices=("Q4_K", "Q6_K"), help="the weight format (its kernel)")
+    ap.add_argument("--schedule", default="grid", choices=("grid", "stream", "specialized"),
+                    help="the Q4_K kernel's schedule (qmatmul_mgpu.SCHEDULES)")
     ap.add_argument("--sass", action="store_true", help="also assemble the PTX (pip's triton) and count the SASS")
     args = ap.parse_args()
     if (args.out is None) == (args.read is None):
@@ -137,7 +147,7 @@ def main() -> None:
         ptxas = args.read.with_suffix(".ptxas")
         ptx_text, ptxas_text = args.read.read_text(), ptxas.read_text() if ptxas.exists() else ""
     else:
-        ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.order)
+        ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.order, args.fmt, args.schedule)
     print(report(ptx_text, ptxas_text))
     if args.sass:
         print(sass_report(*sass(ptx_text)))
