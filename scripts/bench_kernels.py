@@ -246,18 +246,23 @@ def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 
     return rows
 
 
-def ar_weight_bytes() -> int:
-    """Bytes of the 27B Q4_K_M matrices one decode step streams: every matrix of the 64 layers and the output head
-    (not the embedding table, read by row, nor the MTP block, which the engine does not run)."""
+def weight_bytes_by_format() -> dict[str, int]:
+    """Bytes of the 27B Q4_K_M matrices one decode step streams, by format: every matrix of the 64 layers and the
+    output head (not the embedding table, read by row, nor the MTP block, which the engine does not run)."""
     cfg = load_target_config(CONFIG_27B)
-    rule, total = q4_k_m_rule(cfg), 0
+    rule, totals = q4_k_m_rule(cfg), {}
     for name, spec in tensor_specs(cfg).items():
         block = int(name.split(".")[1]) if name.startswith("blk.") else -1
         if spec.kind != "matrix" or name == "token_embd.weight" or block >= cfg.num_layers:
             continue
         fmt = FORMATS[rule(name, spec).name]
-        total += math.prod(spec.shape) // fmt.block_size * fmt.type_size
-    return total
+        totals[fmt.name] = totals.get(fmt.name, 0) + math.prod(spec.shape) // fmt.block_size * fmt.type_size
+    return totals
+
+
+def ar_weight_bytes() -> int:
+    """Bytes of the 27B Q4_K_M matrices one decode step streams (`weight_bytes_by_format`, summed)."""
+    return sum(weight_bytes_by_format().values())
 
 
 def bench_gdn(copy: float, n: int = 23) -> list[dict]:

@@ -319,3 +319,13 @@ def test_mgpu_ptx_assembles_the_saved_dump(capsys, monkeypatch):
     mgpu_ptx.main()
     out = capsys.readouterr().out
     assert "the pipeline loop 512" in out and "PRMT" not in out.split("loop: ")[-1]
+
+
+def test_weight_bytes_by_format_of_the_27b():
+    """The 27B's Q4_K_M matrices a step streams, by format (the figures the README gives): 11.36 GB of Q4_K and
+    4.45 GB of Q6_K (the output head and the "more bits" ffn_down and attn_qkv), 15.81 GB in all."""
+    import bench_kernels
+
+    by_format = bench_kernels.weight_bytes_by_format()
+    assert sorted(by_format) == ["Q4_K", "Q6_K"] and bench_kernels.ar_weight_bytes() == sum(by_format.values())
+    assert round(by_format["Q4_K"] / 1e9, 2) == 11.36 and round(by_format["Q6_K"] / 1e9, 2) == 4.45
