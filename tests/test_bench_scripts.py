@@ -80,6 +80,18 @@ def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
         run_script(bench, out + ["--prefetch", "tensor=1"])
 
 
+def test_bench_mgpu_switches_last_one_run(tmp_path, monkeypatch):
+    """--mgpu 2 --mgpu_formats Q4_K Q6_K packs both formats for the Mosaic GPU kernels alone during the run, and
+    only then."""
+    import bench
+    from pallas_kernels import qmatmul as qm
+
+    shipped, seen = (qm.MGPU_LAYOUT, qm.MGPU_FORMATS), []
+    monkeypatch.setattr(bench, "run", lambda args: seen.append((qm.MGPU_LAYOUT, qm.MGPU_FORMATS)))
+    run_script(bench, ["--out", str(tmp_path / "x.json"), "--mgpu", "2", "--mgpu_formats", "Q4_K", "Q6_K"])
+    assert seen == [("only", ("Q4_K", "Q6_K"))] and (qm.MGPU_LAYOUT, qm.MGPU_FORMATS) == shipped == (False, ("Q4_K",))
+
+
 def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):
     """scripts/ar_variants.py on the tiny pair: each variant's options are in force for its run only, every round
     runs every variant, the table is printed; unknown keys are refused."""
