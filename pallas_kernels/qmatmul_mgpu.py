@@ -6,10 +6,10 @@ tokens on its N side (any multiple of 8), with x^T read by the tensor cores stra
 and pipeline step (one super-block, 256 columns), TMA brings in the [64, 256] int4 quants, x's [T, 256] columns and
 the rows' Q4_K scales; the warpgroup converts each 32-column sub-block to float16 weights in registers (inline
 PTX, `_f16_tile_wgmma`: q scale - min with the sub-block's scale and min as row vectors) and issues one wgmma of
-K = 32 on it. K is split over `splits` programs whose partial products XLA adds (or, `schedule="stream"`, a few
-programs an SM stream equal runs of all the tiles' super-blocks: no faster,
-scripts/results/qmatmul_mgpu_stream_h200.txt).
-On an H200, 1.4-2.4x faster than the Triton kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy
+K = 32 on it. K is split over `splits` programs whose partial products XLA adds. Other schedules (`schedule`): a few
+programs an SM streaming equal runs of all the tiles' super-blocks ("stream": no faster,
+scripts/results/qmatmul_mgpu_stream_h200.txt), or a memory warpgroup issuing the copies for two compute warpgroups
+of 64 rows each ("specialized": not yet run on a GPU). On an H200, 1.4-2.4x faster than the Triton kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy
 (scripts/results/qmatmul_mgpu_wgmma_h200.txt); since the scales travel in words, another 1.05-1.12x on an H100
 (scripts/results/qmatmul_mgpu_scale_words_h100.txt).
 
