@@ -9,9 +9,9 @@ PTX, `_f16_tile_wgmma`: q scale - min with the sub-block's scale and min as row 
 K = 32 on it. K is split over `splits` programs whose partial products XLA adds. Other schedules (`schedule`): a few
 programs an SM streaming equal runs of all the tiles' super-blocks ("stream": no faster,
 scripts/results/qmatmul_mgpu_stream_h200.txt), or a memory warpgroup issuing the copies for two compute warpgroups
-of 64 rows each ("specialized": not yet run on a GPU). On an H200, 1.4-2.4x faster than the Triton kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy
-(scripts/results/qmatmul_mgpu_wgmma_h200.txt); since the scales travel in words, another 1.05-1.12x on an H100
-(scripts/results/qmatmul_mgpu_scale_words_h100.txt).
+of 64 rows each ("specialized": not yet run on a GPU). On an H200, 1.4-2.4x faster than the Triton kernel on the
+27B's Q4_K shapes at 8-32 tokens, at the same accuracy (scripts/results/qmatmul_mgpu_wgmma_h200.txt); since the
+scales travel in words, another 1.05-1.12x on an H100 (scripts/results/qmatmul_mgpu_scale_words_h100.txt).
 
 Layout (`MgpuQ4K`, repacked once from the GGUF's Q4_K by `pack`): the quants as q - 8 in int4 [N, K], each 32-column
 group in the order of wgmma's registers (`ORDER` "wgmma", `WGMMA_PERM`: 1.09-1.17x faster than column order, which
