@@ -46,9 +46,9 @@ def shifted(word: np.ndarray, s: int) -> np.ndarray:
 
 
 def test_conversion_emulated_is_the_reference_weights():
-    """An emulation of `_f16_tile_q6k` and `_scale_pairs` (bias SCALE_BIAS) on the packed arrays, lane by lane (the words a lane
-    loads in WGMMA_UPCAST_4X layout; two lop3, a sub and a multiply per register, as the inline PTX does them)
-    gives every float16 weight `f16_weights` says, bit for bit, in WGMMA's register order."""
+    """An emulation of `_f16_tile_q6k` and `_scale_pairs` (bias SCALE_BIAS) on the packed arrays, lane by lane (the
+    words a lane loads in WGMMA_UPCAST_4X layout; two lop3, a sub and a multiply per register, as the inline PTX
+    does them) gives every float16 weight `f16_weights` says, bit for bit, in WGMMA's register order."""
     w = q6.pack(q6k(64, 512, seed=3))
     lo, hi = bits(w.lo), bits(w.hi)
     words = np.asarray(w.scales).T.reshape(64, 2, mg.SCALE_WORDS)
