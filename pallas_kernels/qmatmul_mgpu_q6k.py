@@ -78,13 +78,17 @@ def _as_int4(nibbles: jax.Array) -> jax.Array:
 
 def _hi_words(hi: jax.Array) -> jax.Array:
     """The high bits [N, K] (0..3) -> `MgpuQ6K.hi` [N, K / 2] int4: per row, chunk of 64 columns and lane c, the
-    word of nibbles 8c..8c+7 holds at bits 16 e + 2 HI_SLOT[g, t] the high bits of column 32 g + 8 t + 2 c + e."""
+    word of nibbles 8c..8c+7 holds at bits 16 e + 2 HI_SLOT[g, t] the high bits of column 32 g + 8 t + 2 c + e.
+    Built nibble by nibble in bytes (the output head's 1.3 G weights would take 5 GB as 32-bit words)."""
     n, k = hi.shape
-    hi = hi.astype(jnp.uint32).reshape(n, k // CHUNK, 2, 4, 4, 2)  # [row, chunk, g, t, c, e]
-    shift = (16 * np.arange(2)[None, None, :] + 2 * HI_SLOT[:, :, None]).astype(np.uint32)  # [g, t, e]
-    words = jnp.sum(hi << shift[:, :, None, :], axis=(2, 3, 5), dtype=jnp.uint32)  # [row, chunk, c]: fields apart
-    nibbles = (words[..., None] >> (4 * jnp.arange(8, dtype=jnp.uint32))) & 0xF  # [row, chunk, c, p]
-    return _as_int4(nibbles.reshape(n, k // 2))
+    hi = hi.astype(jnp.uint8).reshape(n, k // CHUNK, 2, 4, 4, 2)  # [row, chunk, g, t, c, e]
+    owner = {int(HI_SLOT[g, t]): (g, t) for g, t in np.ndindex(HI_SLOT.shape)}  # slot -> its register
+
+    def nibble(p: int) -> jax.Array:  # bits 4p..4p+3: slots 2 (p % 4) and 2 (p % 4) + 1 of half p // 4
+        (g0, t0), (g1, t1) = owner[2 * (p % 4)], owner[2 * (p % 4) + 1]
+        return hi[:, :, g0, t0, :, p // 4] | (hi[:, :, g1, t1, :, p // 4] << 2)  # [row, chunk, c]
+
+    return _as_int4(jnp.stack([nibble(p) for p in range(8)], axis=-1).reshape(n, k // 2))
 
 
 def _hi_bits(w: MgpuQ6K) -> jax.Array:
