@@ -398,7 +398,7 @@ def dequantize_packed(pw: PackedWeight, tile_math: str = "f32") -> jax.Array:
     if pw.mgpu_only:  # the Mosaic kernel's float16 weights stand for f16x2's (the same arithmetic)
         kernel = mgpu_module(pw.fmt)
         return (kernel.dequantize(pw.mgpu) if tile_math == "f32" else
-                kernel.f16_weights(pw.mgpu).astype(jnp.float32) / weight_gain("f16x2"))
+                kernel.f16_weights(pw.mgpu).astype(jnp.float32) / 2.0 ** pw.mgpu.gain)
     get, tile_math = whole_rows(pw.data), tile_math if pw.fmt in PTX_FORMATS else "f32"
     out = jnp.zeros((n, k), jnp.float32)
     for plane, cols in enumerate(plane_columns(pw.fmt, k)):

@@ -24,7 +24,8 @@ weight, 2.8 % over the GGUF's 4.5.
 Arithmetic: as qmatmul's f16x2 tiles, float16 weights and x, exact up to float16's rounding of the weights: x enters
 scaled by 2**-F16_SHIFT and the scales and mins by 2**F16_SHIFT (`pack` checks that they fit, `f16_fits`). Each
 sub-block's scale d sc and negated min -dmin m is one f16x2 product of the codes and the scaled (d, -dmin), rounded
-once to float16 (`_scale_pairs`), each weight by one fma.
+once to float16 (`_scale_pairs`), each weight by one fma. `nibbles="subnormal"` (`NIBBLES`) makes the weights with
+no sub, as float16 subnormals times the scale times 2**24, under a gain per matrix that the output takes back off.
 
 GPU only (Hopper): GPU interpret mode (jax 0.10.2) cannot run wgmma with its A operand in registers, so the CPU
 tests check the layout and the reference and that the kernel lowers for CUDA; its numerics are checked on a GPU
@@ -62,6 +63,13 @@ M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
 ORDERS = ("wgmma", "natural")  # how `pack` orders the quants of each 32-column group (`MgpuQ4K.order`)
 ORDER = "wgmma"
+# how the kernel makes a float16 weight of a nibble (`MgpuQ4K.nibbles`): "magic", under float16's exponent of 1024 (or
+# 64), which a sub takes off before the fma; "subnormal", as a float16 subnormal q 2**-24 (or q 2**-20) that the fma
+# multiplies by the scale times 2**24 (2**20), no sub: the weights then carry a gain per weight matrix (`pack`)
+# instead of 2**F16_SHIFT, and the output is scaled back. "subnormal" is written and checked on a CPU, not yet run on
+# a GPU
+NIBBLES = ("magic", "subnormal")
+NIBBLE = "magic"
 # (mask, xor, magic) of the lop3 that makes float16 magic + q from the "wgmma" order's nibbles at bits 0-3 (magic
 # 1024) or 4-7 (magic 64, whose unit is 1/16 there) of each half-word, the xor flipping the int4's sign bit
 NIBBLE_FIELDS = ((0x000F000F, 0x6408, 0x6400), (0x00F000F0, 0x5480, 0x5400))
@@ -84,18 +92,26 @@ class MgpuQ4K:
     scales: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     order: str = dataclasses.field(default="natural", metadata=dict(static=True))  # one of ORDERS
+    nibbles: str = dataclasses.field(default="magic", metadata=dict(static=True))  # one of NIBBLES
+    # log2 of the weights' gain in float16: F16_SHIFT for "magic", `subnormal_gain` for "subnormal"
+    gain: int = dataclasses.field(default=F16_SHIFT, metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:
         return self.q.size // 2 + self.scales.size * 4
 
 
-def pack(qt: QTensor, order: str | None = None) -> MgpuQ4K:
-    """A Q4_K QTensor in this kernel's layout (once, at load), its quants in `order` (default `ORDER`); refuses
-    other formats, rows not a multiple of 64 and weights whose float16 form would overflow (`f16_fits`)."""
-    order = order or ORDER
+def pack(qt: QTensor, order: str | None = None, nibbles: str | None = None) -> MgpuQ4K:
+    """A Q4_K QTensor in this kernel's layout (once, at load), its quants in `order` (default `ORDER`), made into
+    weights as `nibbles` says (default `NIBBLE`; "subnormal" takes the "wgmma" order); refuses other formats, rows
+    not a multiple of 64 and weights whose float16 form would overflow (`f16_fits`)."""
+    order, nibbles = order or ORDER, nibbles or NIBBLE
     if order not in ORDERS:
         raise ValueError(f"order is one of {ORDERS}, got {order!r}")
+    if nibbles not in NIBBLES:
+        raise ValueError(f"nibbles is one of {NIBBLES}, got {nibbles!r}")
+    if nibbles == "subnormal" and order != "wgmma":
+        raise ValueError("subnormal nibbles are written for the \"wgmma\" order only")
     if qt.fmt != "Q4_K":
         raise NotImplementedError(f"the Mosaic GPU kernel is implemented for Q4_K weights only, not {qt.fmt} (Q5_K "
                                   "and Q6_K are not written yet): qmatmul.pack and the Triton kernels take them")
@@ -117,9 +133,28 @@ def pack(qt: QTensor, order: str | None = None) -> MgpuQ4K:
                              jax.lax.bitcast_convert_type(dd, jnp.uint32)[..., None]], axis=-1)
     w = MgpuQ4K(q=(q.astype(jnp.int8) - 8).astype(jnp.int4), scales=words.reshape(n, nb * SCALE_WORDS).T,
                 shape=(n, k), order=order)
+    if nibbles == "subnormal":
+        w = dataclasses.replace(w, nibbles=nibbles, gain=subnormal_gain(w))
     if not f16_fits(w):
-        raise ValueError(f"this Q4_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
+        raise ValueError(f"this Q4_K weight does not fit float16 at 2**{w.gain} (f16_fits): take qmatmul")
     return w
+
+
+def subnormal_gain(w: MgpuQ4K) -> int:
+    """log2 of the "subnormal" form's weight gain G: the largest with every scale, d and dmin times G 2**24 under
+    2**15 in float16 (the fma's factor for nibbles at q 2**-24), between 2**-24 and 2**6."""
+    codes, dd = _fields(w)
+    top = jnp.maximum(jnp.abs(dd).max(), (jnp.abs(dd)[..., None, :] * codes).max())
+    return int(np.clip(np.floor(np.log2(2.0 ** 15 / max(float(top), 2.0 ** -30))) - 24, -24, 6))
+
+
+def subnormal_gains(gain: int) -> tuple[int, ...]:
+    """The f16x2 constants whose products take (d, dmin) to (d, -dmin) G 2**24 (`_scaled_dd`): (2**a, -2**a), then
+    (2**b, 2**b) where a + b = log2 G + 24 passes float16's 2**15 (a power of two each, so exact; the first product
+    never exceeds the last)."""
+    a = min(gain + 24, 15)
+    pairs = (f16_pair(2.0 ** a, -(2.0 ** a)),)
+    return pairs + ((f16_pair(2.0 ** (gain + 24 - a), 2.0 ** (gain + 24 - a)),) if gain + 24 > a else ())
 
 
 def available() -> bool:
@@ -153,8 +188,12 @@ def _quants(w: MgpuQ4K) -> jax.Array:
 
 def f16_fits(w: MgpuQ4K) -> bool:
     """Whether every weight, scale and negated min times 2**F16_SHIFT stays under 2**15 in float16 (`f16_holds`:
-    15 |scale| + |neg_min| bounds them), and so do d and dmin, which the kernel scales in float16 too."""
-    _, dd = _fields(w)
+    15 |scale| + |neg_min| bounds them), and so do d and dmin, which the kernel scales in float16 too; for the
+    "subnormal" form, whether the scales, mins, d and dmin times its gain 2**24 do."""
+    codes, dd = _fields(w)
+    if w.nibbles == "subnormal":
+        top = jnp.maximum(jnp.abs(dd).max(), (jnp.abs(dd)[..., None, :] * codes).max())
+        return bool(top * 2.0 ** (w.gain + 24) < 2 ** 15)
     return f16_holds(15, _scales(w)) and bool(jnp.abs(dd).max() * 2.0 ** F16_SHIFT < 2 ** 15)
 
 
@@ -165,19 +204,43 @@ def dequantize(w: MgpuQ4K) -> jax.Array:
     return (q * scale[..., None] + neg_min[..., None]).reshape(w.shape)
 
 
+def _f16(a: jax.Array) -> jax.Array:
+    """float32 values rounded to float16 (subnormals kept), back as float32."""
+    return a.astype(jnp.float16).astype(jnp.float32)
+
+
+def subnormal_terms(w: MgpuQ4K) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The "subnormal" form's float16 factors, float32 [N, K / 32] each: (S, S16, NM), a weight being q 2**-24 S +
+    NM (nibble at bits 0-3 of its half-word) or q 2**-20 S16 + NM (bits 4-7): S = sc (d G 2**24), NM'' = m (-dmin
+    G 2**24), each rounded once, then S16 = S / 16 and NM = NM'' 2**-24 rounded (`_f16_tile_wgmma`'s subnormal form)."""
+    codes, dd = _fields(w)
+    scaled = dd * 2.0 ** (w.gain + 24)  # exact: a power of two (f16_fits)
+    s, nm2 = _f16(codes[..., 0] * scaled[..., None, 0]), _f16(codes[..., 1] * -scaled[..., None, 1])
+    n = w.shape[0]
+    return s.reshape(n, -1), _f16(s / 16).reshape(n, -1), _f16(nm2 * 2.0 ** -24).reshape(n, -1)
+
+
 def f16_weights(w: MgpuQ4K) -> jax.Array:
-    """The float16 weights [N, K] the kernel multiplies: q scale + neg_min, the scale and negated min times
-    2**F16_SHIFT rounded once to float16 (as the kernel's f16x2 products of the codes and the scaled d, dmin make
-    them) and each weight once (one fma)."""
-    scale, neg_min = (jnp.asarray(a * 2.0 ** F16_SHIFT, jnp.float16).astype(jnp.float32) for a in _scales(w))
+    """The float16 weights [N, K] the kernel multiplies, times 2**`w.gain`. "magic": q scale + neg_min, the scale
+    and negated min times 2**F16_SHIFT rounded once to float16 (as the kernel's f16x2 products of the codes and the
+    scaled d, dmin make them) and each weight once (one fma). "subnormal": `subnormal_terms`, each weight rounded
+    once (one fma; float32 sums first, which may round before float16 does where a scale is 2**10 under the
+    largest)."""
     q = _quants(w).astype(jnp.float32) + 8
+    if w.nibbles == "subnormal":
+        s, s16, nm = subnormal_terms(w)
+        high = np.arange(GROUP) // 8 % 2 == 1  # columns 8-15 and 24-31 of a group: nibbles at bits 4-7
+        factor = jnp.where(high, s16[..., None] * 2.0 ** -20, s[..., None] * 2.0 ** -24)
+        return (q * factor + nm[..., None]).reshape(w.shape).astype(jnp.float16)
+    scale, neg_min = (_f16(a * 2.0 ** F16_SHIFT) for a in _scales(w))
     return (q * scale[..., None] + neg_min[..., None]).reshape(w.shape).astype(jnp.float16)
 
 
 def reference(x: jax.Array, w: MgpuQ4K) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them."""
-    return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), f16_weights(w).astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), f16_weights(w).astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out * 2.0 ** (F16_SHIFT - w.gain)
 
 
 def default_splits(n: int, k: int, target: int = 2048, rows: int = ROWS) -> int:
@@ -191,9 +254,15 @@ def default_splits(n: int, k: int, target: int = 2048, rows: int = ROWS) -> int:
     return 1
 
 
+def f16_pair(low: float, high: float) -> int:
+    """Two float16 values as the 32-bit word of an f16x2 constant, low half first."""
+    return int(np.array([low, high], np.float16).view(np.uint32)[0])
+
+
 # f16x2 (2**F16_SHIFT, -2**F16_SHIFT): d and dmin of a super-block times it are the factors of its scales and
 # negated mins, in float16 (`_scaled_dd`)
-GAIN_PAIR = int(np.array([2.0 ** F16_SHIFT, -2.0 ** F16_SHIFT], np.float16).view(np.uint32)[0])
+GAIN_PAIR = f16_pair(2.0 ** F16_SHIFT, -2.0 ** F16_SHIFT)
+SUBNORMAL_PAIR = f16_pair(1 / 16, 2.0 ** -24)  # (S, NM'') times it: (S16, NM) (`_f16_tile_wgmma`, subnormal)
 
 
 def _scalar(reg):
@@ -203,10 +272,13 @@ def _scalar(reg):
     return vector.extract(reg, [], [0])
 
 
-def _scaled_dd(words, gain: int = GAIN_PAIR):
+def _scaled_dd(words, *gains: int):
     """Each row's word (d, dmin) [rows] uint32 (a row vector) -> (d, -dmin) 2**F16_SHIFT as float16 pairs (exact:
-    `f16_fits` keeps them finite), one f16x2 multiply a register by `gain` (an f16x2 constant, default
-    GAIN_PAIR)."""
+    `f16_fits` keeps them finite), one f16x2 multiply a register by each of `gains` (f16x2 constants, default
+    GAIN_PAIR) in turn."""
+    gains = gains or (GAIN_PAIR,)
+    muls = " ".join(f"mov.b32 k, {g:#010x}; mul.rn.f16x2 $0, {'$1' if i == 0 else '$0'}, k;"
+                    for i, g in enumerate(gains))
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
@@ -219,8 +291,7 @@ def _scaled_dd(words, gain: int = GAIN_PAIR):
         i32 = ir.IntegerType.get_signless(32)
         out = np.empty_like(df.registers)
         for idx, reg in np.ndenumerate(df.registers):
-            pair = llvm.inline_asm(i32, [_scalar(reg)],
-                                   f"{{ .reg .b32 k; mov.b32 k, {gain:#010x}; mul.rn.f16x2 $0, $1, k; }}", "=r,r")
+            pair = llvm.inline_asm(i32, [_scalar(reg)], f"{{ .reg .b32 k; {muls} }}", "=r,r")
             out[idx] = mu.bitcast(pair, reg.type)
         return fa.FragmentedArray(_registers=out, _layout=df.layout, _is_signed=False)
 
@@ -310,7 +381,7 @@ def _f16_tile(q, words, dd, part: int):
     return convert(q, words, dd)
 
 
-def _f16_tile_wgmma(q, words, dd, part: int):
+def _f16_tile_wgmma(q, words, dd, part: int, subnormal: bool = False):
     """q [64 r, 32] int4 in the "wgmma" order as loaded (WGMMA_UPCAST_4X: a lane's 8 quants of a row in one 32-bit
     word) -> float16 [64 r, 32] in WGMMA layout, (q ^ 8) scale + neg_min per row (`words`, `dd`, `part` as
     `_f16_tile` takes them), with no data between lanes.
@@ -319,13 +390,33 @@ def _f16_tile_wgmma(q, words, dd, part: int):
     Per register, one lop3 masks them where they lie (bits 0-3 of each half: float16's exponent of 1024 makes 1024
     + q; bits 4-7: an exponent of 64, whose unit there is 1/16, makes 64 + q) and flips the stored sign bit (the
     int4 holds q - 8); a sub takes the 1024 or 64 off and one fma applies the row's scale and negated min. One shift
-    right by 8 serves registers 2 and 3."""
+    right by 8 serves registers 2 and 3.
+
+    `subnormal` (the "subnormal" form): the lop3 sets no exponent, leaving the float16 subnormals q 2**-24 (bits
+    0-3) or q 2**-20 (bits 4-7), and the fma multiplies them by S or S16 and adds NM (`subnormal_terms`): no sub.
+    `dd` then holds (d, -dmin) G 2**24, and one f16x2 multiply a row makes (S16, NM) from `_scale_pairs`' (S,
+    NM'')."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, llvm
 
     wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+
+    def weights(t: int) -> str:  # the PTX that makes register t's pair from word $1 and the scale pairs $2 (, $3)
+        mask, xor, magic = NIBBLE_FIELDS[t % 2]
+        if not subnormal:
+            return f"""{BROADCAST.format(2)}
+                    lop3.b32 u, $1, {mask:#010x}, {xor * 0x10001:#010x}, 0x6a;
+                    mov.b32 k, {magic * 0x10001:#010x};
+                    sub.f16x2 u, u, k;
+                    fma.rn.f16x2 $0, u, s2, n2;"""
+        return f"""{BROADCAST.format(2)}
+                    mov.b32 {{ll, lh}}, $3;
+                    {"mov.b32 s2, {ll, ll};" if t % 2 else ""}
+                    mov.b32 n2, {{lh, lh}};
+                    lop3.b32 u, $1, {mask:#010x}, {(xor & 0xFF) * 0x10001:#010x}, 0x6a;
+                    fma.rn.f16x2 $0, u, s2, n2;"""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, row, row),
                        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
@@ -336,33 +427,31 @@ def _f16_tile_wgmma(q, words, dd, part: int):
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(q.shape), dtype=object)  # [row tiles, 4 col tiles, 1, 1, 2, ..]
         # row tile i, half h: a lane holds rows r and r + 8 of its warp's 16 in each tile of 64
         for i, h in np.ndindex(q.shape[0] // ROWS, 2):
-            pair = _scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]), part)
+            pairs = [_scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]), part)]
+            if subnormal:  # (S16, NM)
+                pairs.append(llvm.inline_asm(i32, pairs, f"{{ .reg .b32 k; mov.b32 k, {SUBNORMAL_PAIR:#010x}; "
+                                                         "mul.rn.f16x2 $0, $1, k; }", "=r,r"))
             word = mu.bitcast(qf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
             words = (word, arith.shrui(word, mu.c(8, i32)))
             for t in range(4):
-                mask, xor, magic = NIBBLE_FIELDS[t % 2]
-                reg = llvm.inline_asm(
-                    i32, [words[t // 2], pair],
-                    f"""{{
-                    .reg .b32 u, k;
-                    {BROADCAST.format(2)}
-                    lop3.b32 u, $1, {mask:#010x}, {xor * 0x10001:#010x}, 0x6a;
-                    mov.b32 k, {magic * 0x10001:#010x};
-                    sub.f16x2 u, u, k;
-                    fma.rn.f16x2 $0, u, s2, n2;
-                    }}""",
-                    "=r,r,r")
+                declare = ".reg .b32 u, k; .reg .b16 ll, lh;" if subnormal else ".reg .b32 u, k;"
+                reg = llvm.inline_asm(i32, [words[t // 2], *pairs],
+                                      f"{{ {declare} {weights(t)} }}", "=r" + ",r" * (1 + len(pairs)))
                 out[i, t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(q, words, dd)
 
 
-def _multiply(order: str, w_smem, x_smem, scales_smem, acc_ref) -> None:
-    """One pipeline step: the step's super-block of weights, converted 32 columns at a time, times x^T into acc."""
+def _multiply(form: tuple, w_smem, x_smem, scales_smem, acc_ref) -> None:
+    """One pipeline step: the step's super-block of weights, converted 32 columns at a time, times x^T into acc;
+    `form` the weight's (order, nibbles, gain)."""
+    order, nibbles, gain = form
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows, as wgmma's accumulator holds them
-    tile = _f16_tile_wgmma if order == "wgmma" else _f16_tile
-    dd = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row))
+    tile = (functools.partial(_f16_tile_wgmma, subnormal=True) if nibbles == "subnormal" else
+            _f16_tile_wgmma if order == "wgmma" else _f16_tile)
+    dd = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row), *subnormal_gains(gain)
+                    if nibbles == "subnormal" else (GAIN_PAIR,))
     words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
     quants = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
     for j in range(SUB_BLOCKS):
@@ -381,12 +470,12 @@ def _specs(t: int, rows: int, at) -> list:
             plgpu.BlockSpec((SCALE_WORDS, rows), lambda i: at(i)[::-1], delay_release=1)]
 
 
-def _body(t: int, rows: int, steps: int, stages: int, order: str, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
+def _body(t: int, rows: int, steps: int, stages: int, form: tuple, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
     """The "grid" schedule: a program per (row tile, K split), `steps` super-blocks each."""
     ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
 
     def compute(acc_ref):
-        plgpu.emit_pipeline(lambda _, *refs: _multiply(order, *refs, acc_ref), grid=(steps,),
+        plgpu.emit_pipeline(lambda _, *refs: _multiply(form, *refs, acc_ref), grid=(steps,),
                             in_specs=_specs(t, rows, lambda i: (ni, si * steps + i)),
                             max_concurrent_steps=stages)(w_gmem, x_gmem, scales_gmem)
         return acc_ref[...]
@@ -397,7 +486,7 @@ def _body(t: int, rows: int, steps: int, stages: int, order: str, w_gmem, x_gmem
     plgpu.wait_smem_to_gmem(0)
 
 
-def _specialized_body(t: int, steps: int, stages: int, order: str, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
+def _specialized_body(t: int, steps: int, stages: int, form: tuple, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
     """The "specialized" schedule: a program per 2 x 64 weight rows and K split, three warpgroups: a memory one that
     only issues the TMA copies (`emit_pipeline_warp_specialized`) and two compute ones, each converting and
     multiplying its 64 rows against the x tile they share."""
@@ -406,7 +495,7 @@ def _specialized_body(t: int, steps: int, stages: int, order: str, w_gmem, x_gme
 
     def body(_, w_smem, x_smem, scales_smem, acc_ref):
         mine = pl.ds(wg * ROWS, ROWS)
-        _multiply(order, w_smem.at[mine], x_smem, scales_smem.at[:, mine], acc_ref)
+        _multiply(form, w_smem.at[mine], x_smem, scales_smem.at[:, mine], acc_ref)
         return acc_ref
 
     def compute_context(pipeline):
@@ -431,7 +520,7 @@ def _owner(g, total: int, programs: int):
     return ((g + 1) * programs + total - 1) // total - 1
 
 
-def _stream_body(t: int, rows: int, nb: int, programs: int, stages: int, order: str, w_gmem, x_gmem, scales_gmem,
+def _stream_body(t: int, rows: int, nb: int, programs: int, stages: int, form: tuple, w_gmem, x_gmem, scales_gmem,
                  o_gmem, o_smem):
     """The "stream" schedule: `programs` programs (a few per SM, all resident) split the row tiles' super-blocks,
     flattened tile by tile, into equal ranges, one pipeline each; where a tile ends (or the range does) its partial
@@ -441,7 +530,7 @@ def _stream_body(t: int, rows: int, nb: int, programs: int, stages: int, order: 
     start, end = p * total // programs, (p + 1) * total // programs
 
     def step(idx, w_smem, x_smem, scales_smem, acc_ref):
-        _multiply(order, w_smem, x_smem, scales_smem, acc_ref)
+        _multiply(form, w_smem, x_smem, scales_smem, acc_ref)
         g = start + idx[0]
 
         @pl.when((g % nb == nb - 1) | (g == end - 1))
@@ -507,6 +596,7 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
     the natural one."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
+    form, unscale = (w.order, w.nibbles, w.gain), 2.0 ** (F16_SHIFT - w.gain)  # x enters times 2**-F16_SHIFT
     nb = k // QK_K
     rows = rows or ROWS
     if rows not in ROWS_PER_PROGRAM or n % rows:
@@ -521,7 +611,7 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
             raise ValueError(f"{total} steps over {programs} programs overflow the kernel's int32 step arithmetic")
         slots = stream_slots(n, nb, rows, programs)
         out = plgpu.kernel(
-            functools.partial(_stream_body, t, rows, nb, programs, stages, w.order),
+            functools.partial(_stream_body, t, rows, nb, programs, stages, form),
             out_type=jax.ShapeDtypeStruct((slots.shape[0], n, t), jnp.float32),
             grid=(programs,), grid_names=("p",),
             scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
@@ -529,7 +619,7 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
         )(w.q, xt, w.scales)
         # slots no program wrote hold whatever the memory held: where, not a multiply, leaves them out
         out = jnp.where(jnp.repeat(slots, rows, axis=1)[..., None], out, 0.0)
-        return sum_splits(out, n, m).T
+        return sum_splits(out, n, m).T * unscale
     if schedule == "specialized":
         rows = SPECIALIZED_WGS * ROWS
         if n % rows:
@@ -539,18 +629,18 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
         raise ValueError(f"{nb} super-blocks do not split {splits} ways")
     if schedule == "specialized":
         out = plgpu.kernel(
-            functools.partial(_specialized_body, t, nb // splits, stages, w.order),
+            functools.partial(_specialized_body, t, nb // splits, stages, form),
             out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
             grid=(n // rows, splits), grid_names=("n", "k"), num_threads=SPECIALIZED_WGS + 1, thread_name="wg",
             scratch_types=[plgpu.SMEM((SPECIALIZED_WGS, ROWS, t), jnp.float32)],
             kernel_name="qmatmul_mgpu_q4_k",
         )(w.q, xt, w.scales)
-        return sum_splits(out, n, m).T
+        return sum_splits(out, n, m).T * unscale
     out = plgpu.kernel(
-        functools.partial(_body, t, rows, nb // splits, stages, w.order),
+        functools.partial(_body, t, rows, nb // splits, stages, form),
         out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
         grid=(n // rows, splits), grid_names=("n", "k"),
         scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
         kernel_name="qmatmul_mgpu_q4_k",
     )(w.q, xt, w.scales)
-    return sum_splits(out, n, m).T  # out is [splits, N, tokens]
+    return sum_splits(out, n, m).T * unscale  # out is [splits, N, tokens]

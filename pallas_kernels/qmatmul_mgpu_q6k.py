@@ -69,6 +69,11 @@ class MgpuQ6K:
     def nbytes(self) -> int:
         return self.lo.size // 2 + self.hi.size // 2 + self.scales.size * 4
 
+    @property
+    def gain(self) -> int:
+        """log2 of the gain `f16_weights` carries (as qmatmul_mgpu.MgpuQ4K.gain)."""
+        return F16_SHIFT
+
 
 def _as_int4(nibbles: jax.Array) -> jax.Array:
     """Bit patterns 0..15 as the int4 values that hold them (two's complement)."""

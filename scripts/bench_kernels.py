@@ -15,7 +15,8 @@ variants, `--splits` the K split over 1, 2, 4 and 8 programs, `--variants` any q
 qmatmul_mgpu: the Mosaic GPU kernels on the 27B's Q4_K shapes (pallas_kernels/qmatmul_mgpu.py) and Q6_K ones
 (qmatmul_mgpu_q6k.py) at each `--m`, beside qmatmul on the same weights in the same run; its rate also counts GGUF
 bytes (its layouts read 2.8 % and 1 % more). `--variants` options apply to the Q4_K kernel here (e.g. `splits=2`,
-`stages=4`; `order=natural` packs the quants in that order).
+`stages=4`, `schedule=specialized`; `order=natural` packs the quants in that order, `nibbles=subnormal` in that
+form).
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
@@ -160,9 +161,10 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
         if fmt not in ("Q4_K", "Q6_K") or (only and f"{name}:{fmt}" not in only):
             continue
         qts, gguf_bytes = _copies(fmt, n, k)
-        packed = {"qmatmul": [qm.pack(q) for q in qts]}  # and qmatmul_mgpu's per order, packed when first asked
+        # and qmatmul_mgpu's per (order, nibbles), packed when first asked; the Q6_K kernel's in the defaults' place
+        packed = {"qmatmul": [qm.pack(q) for q in qts]}
         if fmt == "Q6_K":
-            packed[mg.ORDER] = [q6.pack(q) for q in qts]
+            packed[mg.ORDER, mg.NIBBLE] = [q6.pack(q) for q in qts]
         mosaic = (mg.qmatmul, [dict(), *extra]) if fmt == "Q4_K" else (q6.qmatmul, [dict()])
         kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": mosaic}
         exact_w = dequantize(qts[0])
@@ -173,12 +175,12 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
                 for opts in variants:
                     if kernel == "qmatmul":
                         weights, call = packed[kernel], opts
-                    else:  # `order` is the layout's (pack's), the rest the call's
-                        order = opts.get("order", mg.ORDER)
-                        if order not in packed:
-                            packed[order] = [mg.pack(q, order) for q in qts]
-                        weights = packed[order]
-                        call = {key: v for key, v in opts.items() if key != "order"}
+                    else:  # `order` and `nibbles` are the layout's (pack's), the rest the call's
+                        form = opts.get("order", mg.ORDER), opts.get("nibbles", mg.NIBBLE)
+                        if form not in packed:
+                            packed[form] = [mg.pack(q, *form) for q in qts]
+                        weights = packed[form]
+                        call = {key: v for key, v in opts.items() if key not in ("order", "nibbles")}
                     run = jax.jit(lambda x, ws, fn=fn, o=call: [fn(x, w, **o) for w in ws])
                     try:
                         err = float(jnp.linalg.norm(run(x, weights[:1])[0] - exact) / jnp.linalg.norm(exact))

@@ -32,7 +32,7 @@ def test_layout_holds_the_gguf_values_exactly(order):
 
 def f16_words(word: np.ndarray) -> np.ndarray:
     """uint32 words -> their two float16 halves, low first, as float32 [..., 2]."""
-    return word.astype("<u4").view("<f2").reshape(*word.shape, 2).astype(np.float32)
+    return np.ascontiguousarray(word, "<u4").view("<f2").reshape(*np.shape(word), 2).astype(np.float32)
 
 
 def test_wgmma_order_gives_each_lane_its_wgmma_registers():
@@ -51,6 +51,46 @@ def test_wgmma_order_gives_each_lane_its_wgmma_registers():
             got = f16_words((shifted & mask) ^ (xor * 0x10001)) - f16_words(np.array([magic], np.uint32))[0, 0]
             np.testing.assert_array_equal(got[..., 0], q[:, 8 * t + 2 * c: 256: 32])
             np.testing.assert_array_equal(got[..., 1], q[:, 8 * t + 2 * c + 1: 256: 32])
+
+
+def test_subnormal_form_emulated_is_the_reference_weights():
+    """An emulation of `_f16_tile_wgmma(..., subnormal=True)` on the packed words, lane by lane, in exact float64
+    arithmetic (the lop3 that leaves a nibble pair as float16 subnormals, `_scaled_dd`'s products by
+    `subnormal_gains`, the scale pairs, the multiply by SUBNORMAL_PAIR, one fma rounded once) gives `f16_weights`'
+    every weight bit for bit."""
+    w = mg.pack(q4k(64, 512, seed=5), nibbles="subnormal")
+    halves = lambda word: f16_words(np.asarray(word, np.uint32)).astype(np.float64)  # noqa: E731
+    stored = np.asarray(w.q.astype(jnp.int32) & 0xF).astype(np.uint32)
+    words = np.asarray(w.scales).T.reshape(64, 2, mg.SCALE_WORDS)
+    want = np.asarray(mg.f16_weights(w)).astype(np.float64)
+    dd = halves(words[..., -1])
+    for gain in mg.subnormal_gains(w.gain):
+        dd = (dd * halves([gain])[0]).astype(np.float16).astype(np.float64)
+    for sb, j, c in np.ndindex(2, mg.SUB_BLOCKS, 4):
+        biased = ((words[:, sb, j // 2] >> np.uint32(8 * (j % 2))) & 0x00FF00FF) | 0x64006400
+        pair = ((halves(biased) - 1024) * dd[:, sb]).astype(np.float16).astype(np.float64)  # (S, NM'')
+        low = (pair * halves([mg.SUBNORMAL_PAIR])[0]).astype(np.float16).astype(np.float64)  # (S16, NM)
+        col0 = 256 * sb + 32 * j
+        lane = sum(stored[:, col0 + 8 * c + p] << np.uint32(4 * p) for p in range(8))
+        for t in range(4):
+            mask, xor, _ = mg.NIBBLE_FIELDS[t % 2]
+            u = ((lane >> np.uint32(8 * (t // 2))) & mask) ^ ((xor & 0xFF) * 0x10001)
+            got = (halves(u) * (low if t % 2 else pair)[:, :1] + low[:, 1:]).astype(np.float16).astype(np.float64)
+            np.testing.assert_array_equal(got, want[:, col0 + 8 * t + 2 * c: col0 + 8 * t + 2 * c + 2])
+
+
+def test_subnormal_form_is_as_close_as_the_magic_one():
+    """The "subnormal" weights (a gain per matrix, the smallest weights float16 subnormals) land as close to the
+    float32 product as the "magic" ones, and the layout's values are the GGUF's exactly."""
+    qt = q4k(256, 1024, seed=1)
+    w, magic = mg.pack(qt, nibbles="subnormal"), mg.pack(qt)
+    assert w.nibbles == "subnormal" and -24 <= w.gain <= 6 and magic.gain == qm.F16_SHIFT
+    np.testing.assert_array_equal(np.asarray(mg.dequantize(w)), np.asarray(dequantize(qt)))
+    x = jax.random.normal(jax.random.key(2), (23, 1024), jnp.float32)
+    exact = jnp.einsum("mk,nk->mn", x, dequantize(qt), precision=jax.lax.Precision.HIGHEST)
+    assert rel(mg.reference(x, w), exact) < 1.05 * rel(mg.reference(x, magic), exact) < 6e-4
+    text = jax.jit(mg.qmatmul).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 def test_reference_is_the_float16_product():
@@ -90,6 +130,10 @@ def test_refuses_what_it_cannot_take():
         mg.qmatmul(jnp.zeros((4, 512)), w, rows=128)  # 64 rows
     with pytest.raises(ValueError, match="order is one of"):
         mg.pack(q4k(64, 256), "rows")
+    with pytest.raises(ValueError, match="nibbles is one of"):
+        mg.pack(q4k(64, 256), nibbles="bf16")
+    with pytest.raises(ValueError, match="wgmma"):
+        mg.pack(q4k(64, 256), "natural", nibbles="subnormal")
 
 
 @pytest.mark.parametrize("m,order,schedule", [(1, "wgmma", "grid"), (23, "wgmma", "grid"), (64, "wgmma", "grid"),
@@ -228,9 +272,11 @@ Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 614
 @pytest.mark.parametrize("n,k", Q4K_27B)
 @pytest.mark.parametrize("m,order,schedule", [(m, "wgmma", "grid") for m in (2, 16, 23, 32, 64)]
                          + [(2, "natural", "grid"), (23, "natural", "grid")]
-                         + [(m, "wgmma", schedule) for schedule in ("stream", "specialized") for m in (2, 23, 64)])
+                         + [(m, "wgmma", schedule) for schedule in ("stream", "specialized") for m in (2, 23, 64)]
+                         + [(m, "subnormal", "grid") for m in (2, 23, 64)])
 def test_kernel_at_27b_shapes(n, k, m, order, schedule):
-    w = mg.pack(q4k(n, k, seed=m), order)
+    nibbles = "subnormal" if order == "subnormal" else "magic"  # the "subnormal" form (in the "wgmma" order)
+    w = mg.pack(q4k(n, k, seed=m), "wgmma" if order == "subnormal" else order, nibbles)
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     got = mg.qmatmul(x, w, schedule=schedule)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
@@ -239,15 +285,18 @@ def test_kernel_at_27b_shapes(n, k, m, order, schedule):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("order,schedule", [("wgmma", "grid"), ("natural", "grid"), ("wgmma", "stream"),
-                                            ("wgmma", "specialized")])
+                                            ("wgmma", "specialized"), ("subnormal", "grid")])
 def test_kernel_multiplies_the_reference_float16_weights(order, schedule):
     """x one-hot at 64 columns (a 2**F16_SHIFT, exact in float16) reads 64 of the kernel's weights out exactly:
-    every row's float16 weight at each column is `f16_weights`', bit for bit."""
-    w = mg.pack(q4k(512, 2048, seed=11), order)
+    every row's float16 weight at each column is `f16_weights`', bit for bit (times the output's 2**(F16_SHIFT -
+    gain), a power of two)."""
+    w = mg.pack(q4k(512, 2048, seed=11), "wgmma" if order == "subnormal" else order,
+                "subnormal" if order == "subnormal" else "magic")
     cols = np.random.default_rng(0).permutation(2048)[:64]
     x = jnp.zeros((64, 2048), jnp.float32).at[np.arange(64), cols].set(2.0 ** qm.F16_SHIFT)
     np.testing.assert_array_equal(np.asarray(mg.qmatmul(x, w, schedule=schedule, programs=13)),
-                                  np.asarray(mg.f16_weights(w)[:, cols].T.astype(jnp.float32)))
+                                  np.asarray(mg.f16_weights(w)[:, cols].T.astype(jnp.float32)
+                                             * 2.0 ** (qm.F16_SHIFT - w.gain)))
 
 
 @pytest.mark.gpu
