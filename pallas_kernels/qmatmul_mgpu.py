@@ -113,8 +113,9 @@ def pack(qt: QTensor, order: str | None = None, nibbles: str | None = None) -> M
     if nibbles == "subnormal" and order != "wgmma":
         raise ValueError("subnormal nibbles are written for the \"wgmma\" order only")
     if qt.fmt != "Q4_K":
-        raise NotImplementedError(f"the Mosaic GPU kernel is implemented for Q4_K weights only, not {qt.fmt} (Q5_K "
-                                  "and Q6_K are not written yet): qmatmul.pack and the Triton kernels take them")
+        raise NotImplementedError(f"qmatmul_mgpu takes Q4_K weights, not {qt.fmt} (qmatmul_mgpu_q6k takes Q6_K; no "
+                                  "Mosaic GPU kernel is written for Q5_K): qmatmul.pack and the Triton kernels take "
+                                  "the others")
     n, k = qt.shape
     if n % ROWS:
         raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {n}")
@@ -140,12 +141,16 @@ def pack(qt: QTensor, order: str | None = None, nibbles: str | None = None) -> M
     return w
 
 
+def _largest_factor(w: MgpuQ4K) -> float:
+    """The largest |d|, |dmin|, |d sc| and |dmin m| of the weight: what the "subnormal" form scales by G 2**24."""
+    codes, dd = _fields(w)
+    return float(jnp.maximum(jnp.abs(dd).max(), (jnp.abs(dd)[..., None, :] * codes).max()))
+
+
 def subnormal_gain(w: MgpuQ4K) -> int:
     """log2 of the "subnormal" form's weight gain G: the largest with every scale, d and dmin times G 2**24 under
     2**15 in float16 (the fma's factor for nibbles at q 2**-24), between 2**-24 and 2**6."""
-    codes, dd = _fields(w)
-    top = jnp.maximum(jnp.abs(dd).max(), (jnp.abs(dd)[..., None, :] * codes).max())
-    return int(np.clip(np.floor(np.log2(2.0 ** 15 / max(float(top), 2.0 ** -30))) - 24, -24, 6))
+    return int(np.clip(np.floor(np.log2(2.0 ** 15 / max(_largest_factor(w), 2.0 ** -30))) - 24, -24, 6))
 
 
 def subnormal_gains(gain: int) -> tuple[int, ...]:
@@ -190,10 +195,9 @@ def f16_fits(w: MgpuQ4K) -> bool:
     """Whether every weight, scale and negated min times 2**F16_SHIFT stays under 2**15 in float16 (`f16_holds`:
     15 |scale| + |neg_min| bounds them), and so do d and dmin, which the kernel scales in float16 too; for the
     "subnormal" form, whether the scales, mins, d and dmin times its gain 2**24 do."""
-    codes, dd = _fields(w)
     if w.nibbles == "subnormal":
-        top = jnp.maximum(jnp.abs(dd).max(), (jnp.abs(dd)[..., None, :] * codes).max())
-        return bool(top * 2.0 ** (w.gain + 24) < 2 ** 15)
+        return _largest_factor(w) * 2.0 ** (w.gain + 24) < 2 ** 15
+    _, dd = _fields(w)
     return f16_holds(15, _scales(w)) and bool(jnp.abs(dd).max() * 2.0 ** F16_SHIFT < 2 ** 15)
 
 
