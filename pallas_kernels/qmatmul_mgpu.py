@@ -474,20 +474,37 @@ def _specs(t: int, rows: int, at) -> list:
             plgpu.BlockSpec((SCALE_WORDS, rows), lambda i: at(i)[::-1], delay_release=1)]
 
 
-def _body(t: int, rows: int, steps: int, stages: int, form: tuple, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
-    """The "grid" schedule: a program per (row tile, K split), `steps` super-blocks each."""
+def _body(t: int, rows: int, steps: int, stages: int, multiply, extra_specs: tuple, *refs):
+    """The "grid" schedule: a program per (row tile, K split), `steps` super-blocks each. `refs`: the quants, x and
+    scales in GMEM, any further inputs (`extra_specs`), the output, its SMEM tile; `multiply(*input_smem, acc_ref)`
+    one step."""
+    *gmem, o_gmem, o_smem = refs
     ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
+    at = lambda i: (ni, si * steps + i)  # noqa: E731
 
     def compute(acc_ref):
-        plgpu.emit_pipeline(lambda _, *refs: _multiply(form, *refs, acc_ref), grid=(steps,),
-                            in_specs=_specs(t, rows, lambda i: (ni, si * steps + i)),
-                            max_concurrent_steps=stages)(w_gmem, x_gmem, scales_gmem)
+        plgpu.emit_pipeline(lambda _, *smem: multiply(*smem, acc_ref), grid=(steps,),
+                            in_specs=_specs(t, rows, at) + [spec(t, rows, at) for spec in extra_specs],
+                            max_concurrent_steps=stages)(*gmem)
         return acc_ref[...]
 
     o_smem[...] = pl.run_scoped(compute, plgpu.ACC((rows, t), jnp.float32))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * rows, rows)])
     plgpu.wait_smem_to_gmem(0)
+
+
+def grid_product(inputs: tuple, multiply, *, t: int, n: int, rows: int, steps: int, splits: int, stages: int,
+                 name: str, extra_specs: tuple = ()) -> jax.Array:
+    """The "grid" schedule's kernel (`_body`) on `inputs` (quants, x^T's operand, scales, then the inputs of
+    `extra_specs`, each (t, rows, at) -> its BlockSpec): partial products [splits, N, t] float32."""
+    return plgpu.kernel(
+        functools.partial(_body, t, rows, steps, stages, multiply, tuple(extra_specs)),
+        out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
+        grid=(n // rows, splits), grid_names=("n", "k"),
+        scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
+        kernel_name=name,
+    )(*inputs)
 
 
 def _specialized_body(t: int, steps: int, stages: int, form: tuple, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
@@ -640,11 +657,6 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
             kernel_name="qmatmul_mgpu_q4_k",
         )(w.q, xt, w.scales)
         return sum_splits(out, n, m).T * unscale
-    out = plgpu.kernel(
-        functools.partial(_body, t, rows, nb // splits, stages, form),
-        out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
-        grid=(n // rows, splits), grid_names=("n", "k"),
-        scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
-        kernel_name="qmatmul_mgpu_q4_k",
-    )(w.q, xt, w.scales)
+    out = grid_product((w.q, xt, w.scales), functools.partial(_multiply, form), t=t, n=n, rows=rows,
+                       steps=nb // splits, splits=splits, stages=stages, name="qmatmul_mgpu_q4_k")
     return sum_splits(out, n, m).T * unscale  # out is [splits, N, tokens]

@@ -28,13 +28,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax.quant import QK_K, QTensor, q6_k_quants
 from pallas_kernels.qmatmul import F16_SHIFT, f16_holds, sum_splits, x_operand
 from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_PERM, _scalar,
-                                         _scale_pairs, _scaled_dd, default_splits, x_tokens)
+                                         _scale_pairs, _scaled_dd, default_splits, grid_product, x_tokens)
 
 SUB = 16  # columns of a Q6_K sub-block (one int8 scale): half a 32-column group, one wgmma of K = 16
 CHUNK = 2 * GROUP  # columns whose high bits one 32-bit word of `hi` holds for a lane
@@ -226,39 +225,26 @@ def _f16_tile_q6k(lo, hi, words, d, group: int):
     return convert(lo, hi, words, d)
 
 
-def _body(t: int, rows: int, steps: int, stages: int, lo_gmem, hi_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
-    ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
+def _multiply(lo_smem, x_smem, scales_smem, hi_smem, acc_ref) -> None:
+    """One pipeline step: the step's super-block of weights, converted 32 columns at a time, times x^T into acc."""
     row = plgpu.Layout.WGMMA.reduce(1)
+    d = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row), GAIN_D)
+    words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
+    lo = plgpu.load(lo_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+    hi = plgpu.load(hi_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+    for chunk in range(QK_K // CHUNK):
+        for group in range(2):
+            cols = slice(chunk * CHUNK + group * GROUP, chunk * CHUNK + (group + 1) * GROUP)
+            a = _f16_tile_q6k(lo[:, cols], hi[:, chunk * GROUP: (chunk + 1) * GROUP], words[chunk], d, group)
+            plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].T)
+            plgpu.wgmma_wait(1)
 
-    def step(_, lo_smem, hi_smem, x_smem, scales_smem, acc_ref):
-        d = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row), GAIN_D)
-        words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
-        lo = plgpu.load(lo_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-        hi = plgpu.load(hi_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-        for chunk in range(QK_K // CHUNK):
-            for group in range(2):
-                cols = slice(chunk * CHUNK + group * GROUP, chunk * CHUNK + (group + 1) * GROUP)
-                a = _f16_tile_q6k(lo[:, cols], hi[:, chunk * GROUP: (chunk + 1) * GROUP], words[chunk], d, group)
-                plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].T)
-                plgpu.wgmma_wait(1)
 
-    def compute(acc_ref):
-        k0 = si * steps
-        specs = [plgpu.BlockSpec((rows, QK_K), lambda i: (ni, k0 + i), delay_release=1,
-                                 transforms=(plgpu.TilingTransform((8, QK_K)), plgpu.SwizzleTransform(128))),
-                 plgpu.BlockSpec((rows, QK_K // 2), lambda i: (ni, k0 + i), delay_release=1,
-                                 transforms=(plgpu.TilingTransform((8, QK_K // 2)), plgpu.SwizzleTransform(64))),
-                 plgpu.BlockSpec((t, QK_K), lambda i: (0, k0 + i), delay_release=1,
-                                 transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))),
-                 plgpu.BlockSpec((SCALE_WORDS, rows), lambda i: (k0 + i, ni), delay_release=1)]
-        plgpu.emit_pipeline(lambda i, *refs: step(i, *refs, acc_ref), grid=(steps,), in_specs=specs,
-                            max_concurrent_steps=stages)(lo_gmem, hi_gmem, x_gmem, scales_gmem)
-        return acc_ref[...]
-
-    o_smem[...] = pl.run_scoped(compute, plgpu.ACC((rows, t), jnp.float32))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * rows, rows)])
-    plgpu.wait_smem_to_gmem(0)
+def _hi_spec(t: int, rows: int, at) -> plgpu.BlockSpec:
+    """The high bits' [rows, 128] int4 tile of step i, beside qmatmul_mgpu's inputs (`grid_product`)."""
+    del t
+    return plgpu.BlockSpec((rows, QK_K // 2), at, delay_release=1,
+                           transforms=(plgpu.TilingTransform((8, QK_K // 2)), plgpu.SwizzleTransform(64)))
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages"))
@@ -271,11 +257,6 @@ def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int 
     splits = splits or default_splits(n, k)
     if nb % splits:
         raise ValueError(f"{nb} super-blocks do not split {splits} ways")
-    out = plgpu.kernel(
-        functools.partial(_body, t, ROWS, nb // splits, stages),
-        out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
-        grid=(n // ROWS, splits), grid_names=("n", "k"),
-        scratch_types=[plgpu.SMEM((ROWS, t), jnp.float32)],
-        kernel_name="qmatmul_mgpu_q6_k",
-    )(w.lo, w.hi, xt, w.scales)
+    out = grid_product((w.lo, xt, w.scales, w.hi), _multiply, t=t, n=n, rows=ROWS, steps=nb // splits,
+                       splits=splits, stages=stages, name="qmatmul_mgpu_q6_k", extra_specs=(_hi_spec,))
     return sum_splits(out, n, m).T
