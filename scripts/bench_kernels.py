@@ -161,10 +161,7 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
         if fmt not in ("Q4_K", "Q6_K") or (only and f"{name}:{fmt}" not in only):
             continue
         qts, gguf_bytes = _copies(fmt, n, k)
-        # and qmatmul_mgpu's per (order, nibbles), packed when first asked; the Q6_K kernel's in the defaults' place
-        packed = {"qmatmul": [qm.pack(q) for q in qts]}
-        if fmt == "Q6_K":
-            packed[mg.ORDER, mg.NIBBLE] = [q6.pack(q) for q in qts]
+        packed = {"qmatmul": [qm.pack(q) for q in qts]}  # and the Mosaic kernel's per (order, nibbles) when asked
         mosaic = (mg.qmatmul, [dict(), *extra]) if fmt == "Q4_K" else (q6.qmatmul, [dict()])
         kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": mosaic}
         exact_w = dequantize(qts[0])
@@ -177,8 +174,8 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
                         weights, call = packed[kernel], opts
                     else:  # `order` and `nibbles` are the layout's (pack's), the rest the call's
                         form = opts.get("order", mg.ORDER), opts.get("nibbles", mg.NIBBLE)
-                        if form not in packed:
-                            packed[form] = [mg.pack(q, *form) for q in qts]
+                        if form not in packed:  # (the Q6_K kernel has one form)
+                            packed[form] = [q6.pack(q) if fmt == "Q6_K" else mg.pack(q, *form) for q in qts]
                         weights = packed[form]
                         call = {key: v for key, v in opts.items() if key not in ("order", "nibbles")}
                     run = jax.jit(lambda x, ws, fn=fn, o=call: [fn(x, w, **o) for w in ws])

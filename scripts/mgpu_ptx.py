@@ -96,9 +96,9 @@ def dump(out: Path, n: int, k: int, m: int, order: str, fmt: str = "Q4_K", sched
 def sass(ptx: str) -> tuple[str, str]:
     """(SASS, note) of `ptx` assembled for sm_90a by pip triton's ptxas and read back by its cuobjdump; the note
     says if the PTX's `.version` had to be lowered for that ptxas."""
-    import triton
+    from qmatmul_sass import triton_tools
 
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    tools = triton_tools()
     note = ""
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"

@@ -78,13 +78,20 @@ def triton_ir(fmt: str, n: int, k: int, m: int, opts: dict) -> tuple[str, int, i
     return modules[-1].operation.get_asm(print_generic_op_form=True), warps, stages
 
 
+def triton_tools() -> Path:
+    """The directory of pip triton's NVIDIA tools (ptxas, cuobjdump, nvdisasm)."""
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
 def compile_sm90(ir_text: str, warps: int, stages: int) -> tuple[str, str, str, int]:
     """(TTGIR, SASS, cuobjdump's resource usage line, shared memory bytes) of the IR compiled by pip's Triton for
     sm_90; Triton's shared memory is dynamic, so it is the compiler's figure, not cuobjdump's static one."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    tools = triton_tools()
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ttir"
         src.write_text(ir_text)
