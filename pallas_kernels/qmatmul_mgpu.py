@@ -6,11 +6,11 @@ tokens on its N side (any multiple of 8), with x^T read by the tensor cores stra
 and pipeline step (one super-block, 256 columns), TMA brings in the [64, 256] int4 quants, x's [T, 256] columns and
 the rows' Q4_K scales; the warpgroup converts each 32-column sub-block to float16 weights in registers (inline
 PTX, `_f16_tile_wgmma`: q scale - min with the sub-block's scale and min as row vectors) and issues one wgmma of
-K = 32 on it. K is split over `splits` programs whose partial products XLA adds. Other schedules (`schedule`): a few
-programs an SM streaming equal runs of all the tiles' super-blocks ("stream": no faster,
-scripts/results/qmatmul_mgpu_stream_h200.txt), or a memory warpgroup issuing the copies for two compute warpgroups
-of 64 rows each ("specialized": not yet run on a GPU). On an H200, 1.4-2.4x faster than the Triton kernel on the
-27B's Q4_K shapes at 8-32 tokens, at the same accuracy (scripts/results/qmatmul_mgpu_wgmma_h200.txt); since the
+K = 32 on it. K is split over `splits` programs whose partial products XLA adds. Two other schedules were tried and
+dropped: a few programs an SM streaming equal runs of all the tiles' super-blocks, 0.88-1.04x this one's speed
+(scripts/results/qmatmul_mgpu_stream_h200.txt), and a memory warpgroup issuing the copies for two compute warpgroups
+of 64 rows each, 0.71-0.95x on an H100 (qmatmul_mgpu_q6k_h100.txt). On an H200, 1.4-2.4x faster than the
+Triton kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy (scripts/results/qmatmul_mgpu_wgmma_h200.txt); since the
 scales travel in words, another 1.05-1.12x on an H100 (scripts/results/qmatmul_mgpu_scale_words_h100.txt).
 
 Layout (`MgpuQ4K`, repacked once from the GGUF's Q4_K by `pack`): the quants as q - 8 in int4 [N, K], each 32-column
@@ -53,12 +53,6 @@ ROWS_PER_PROGRAM = (64, 128, 256)
 GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
 SCALE_WORDS = SUB_BLOCKS // 2 + 1  # 32-bit words per row and super-block of `MgpuQ4K.scales`
-SCHEDULES = ("grid", "stream", "specialized")  # how programs share the work (`qmatmul`)
-# "stream" was 0.88-1.04x its speed on an H200 (scripts/results/qmatmul_mgpu_stream_h200.txt); "specialized" is
-# written and lowered on a CPU, not yet run on a GPU
-SCHEDULE = "grid"
-SMEM_PER_SM = 228 * 1024  # Hopper's shared memory per SM
-SPECIALIZED_WGS = 2  # compute warpgroups of the "specialized" schedule, 64 weight rows each
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
 ORDERS = ("wgmma", "natural")  # how `pack` orders the quants of each 32-column group (`MgpuQ4K.order`)
@@ -507,93 +501,6 @@ def grid_product(inputs: tuple, multiply, *, t: int, n: int, rows: int, steps: i
     )(*inputs)
 
 
-def _specialized_body(t: int, steps: int, stages: int, form: tuple, w_gmem, x_gmem, scales_gmem, o_gmem, o_smem):
-    """The "specialized" schedule: a program per 2 x 64 weight rows and K split, three warpgroups: a memory one that
-    only issues the TMA copies (`emit_pipeline_warp_specialized`) and two compute ones, each converting and
-    multiplying its 64 rows against the x tile they share."""
-    ni, si, wg = jax.lax.axis_index("n"), jax.lax.axis_index("k"), jax.lax.axis_index("wg")
-    rows = SPECIALIZED_WGS * ROWS
-
-    def body(_, w_smem, x_smem, scales_smem, acc_ref):
-        mine = pl.ds(wg * ROWS, ROWS)
-        _multiply(form, w_smem.at[mine], x_smem, scales_smem.at[:, mine], acc_ref)
-        return acc_ref
-
-    def compute_context(pipeline):
-        def scope(acc_ref):
-            pipeline(acc_ref)
-            o_smem.at[wg][...] = acc_ref[...]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[si, pl.ds(ni * rows + wg * ROWS, ROWS)])
-            plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(scope, plgpu.ACC((ROWS, t), jnp.float32))
-
-    plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=40, in_specs=_specs(t, rows, lambda i: (ni, si * steps + i)),
-        wg_axis="wg", num_compute_wgs=SPECIALIZED_WGS, max_concurrent_steps=stages,
-        compute_context=compute_context)(w_gmem, x_gmem, scales_gmem)
-
-
-def _owner(g, total: int, programs: int):
-    """The program whose range of the flattened (row tile, super-block) steps holds step g (`_stream_body`); numpy
-    or traced integers."""
-    return ((g + 1) * programs + total - 1) // total - 1
-
-
-def _stream_body(t: int, rows: int, nb: int, programs: int, stages: int, form: tuple, w_gmem, x_gmem, scales_gmem,
-                 o_gmem, o_smem):
-    """The "stream" schedule: `programs` programs (a few per SM, all resident) split the row tiles' super-blocks,
-    flattened tile by tile, into equal ranges, one pipeline each; where a tile ends (or the range does) its partial
-    product goes to the tile's slot p - `_owner`(its first step) of o_gmem, and the accumulator starts again."""
-    p = jax.lax.axis_index("p")
-    total = o_gmem.shape[1] // rows * nb
-    start, end = p * total // programs, (p + 1) * total // programs
-
-    def step(idx, w_smem, x_smem, scales_smem, acc_ref):
-        _multiply(form, w_smem, x_smem, scales_smem, acc_ref)
-        g = start + idx[0]
-
-        @pl.when((g % nb == nb - 1) | (g == end - 1))
-        def _store():
-            tile = g // nb
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's copy has read o_smem
-            o_smem[...] = acc_ref[...]
-            acc_ref[...] = plgpu.layout_cast(jnp.zeros((rows, t), jnp.float32), plgpu.Layout.WGMMA)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[p - _owner(tile * nb, total, programs), pl.ds(tile * rows, rows)])
-
-    def compute(acc_ref):
-        plgpu.emit_pipeline(lambda idx, *refs: step(idx, *refs, acc_ref), grid=(end - start,),
-                            in_specs=_specs(t, rows, lambda i: divmod(start + i, nb)),
-                            max_concurrent_steps=stages)(w_gmem, x_gmem, scales_gmem)
-
-    pl.run_scoped(compute, plgpu.ACC((rows, t), jnp.float32))
-    plgpu.wait_smem_to_gmem(0)
-
-
-def smem_bytes(t: int, rows: int, stages: int) -> int:
-    """Shared memory a program of the kernel takes: `stages` buffers of quants, x and scales, and the output tile."""
-    return stages * (rows * QK_K // 2 + t * QK_K * 2 + SCALE_WORDS * 4 * rows) + rows * t * 4
-
-
-def default_programs(t: int, rows: int, stages: int) -> int:
-    """Programs of the "stream" schedule: as many as the device's SMs hold at once (by shared memory, up to 8 an SM;
-    132 SMs where the device does not say, as on a CPU)."""
-    device = jax.devices()[0]
-    sms = getattr(device, "core_count", 0) if device.platform == "gpu" else 0
-    per_sm = max(1, min(8, SMEM_PER_SM // (smem_bytes(t, rows, stages) + 1024)))
-    return (sms or 132) * per_sm
-
-
-def stream_slots(n: int, nb: int, rows: int, programs: int) -> np.ndarray:
-    """[slots, N / rows] bool: which of the "stream" schedule's output slots hold a tile's partial products."""
-    tiles = np.arange(n // rows)
-    total = tiles.size * nb
-    first, last = _owner(tiles * nb, total, programs), _owner(tiles * nb + nb - 1, total, programs)
-    return np.arange((last - first).max() + 1)[:, None] <= (last - first)[None, :]
-
-
 def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
     """(t, x^T's operand): x [M, K] checked against a weight of `shape` [N, K] and 1 <= M <= M_MAX, as float16
     times 2**-F16_SHIFT, zero-padded to t, a multiple of 8 tokens (wgmma's N)."""
@@ -606,15 +513,13 @@ def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
     return t, jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "rows", "schedule", "programs"))
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "rows"))
 def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES,
-            rows: int | None = None, schedule: str | None = None, programs: int | None = None) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU; `stages`
-    pipeline steps in flight, `rows` weight rows a row tile (one of ROWS_PER_PROGRAM; default ROWS). `schedule`
-    (one of SCHEDULES, default SCHEDULE): "grid", a program per row tile and K split (`splits`, default
-    `default_splits`); "stream", `programs` programs (default `default_programs`) taking equal runs of every tile's
-    super-blocks. The quants become float16 weights by `_f16_tile_wgmma` in the "wgmma" order, by `_f16_tile` in
-    the natural one."""
+            rows: int | None = None) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
+    per row tile of `rows` weight rows (one of ROWS_PER_PROGRAM; default ROWS) and K split (`splits`, default
+    `default_splits`), `stages` pipeline steps in flight. The quants become float16 weights by `_f16_tile_wgmma`
+    in the "wgmma" order, by `_f16_tile` in the natural one."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
     form, unscale = (w.order, w.nibbles, w.gain), 2.0 ** (F16_SHIFT - w.gain)  # x enters times 2**-F16_SHIFT
@@ -622,41 +527,9 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
     rows = rows or ROWS
     if rows not in ROWS_PER_PROGRAM or n % rows:
         raise ValueError(f"rows per program is one of {ROWS_PER_PROGRAM} and divides the weight's {n}, got {rows}")
-    schedule = schedule or SCHEDULE
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule is one of {SCHEDULES}, got {schedule!r}")
-    if schedule == "stream":
-        total = n // rows * nb
-        programs = min(programs or default_programs(t, rows, stages), total)
-        if total * programs >= 2 ** 31:
-            raise ValueError(f"{total} steps over {programs} programs overflow the kernel's int32 step arithmetic")
-        slots = stream_slots(n, nb, rows, programs)
-        out = plgpu.kernel(
-            functools.partial(_stream_body, t, rows, nb, programs, stages, form),
-            out_type=jax.ShapeDtypeStruct((slots.shape[0], n, t), jnp.float32),
-            grid=(programs,), grid_names=("p",),
-            scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
-            kernel_name="qmatmul_mgpu_q4_k",
-        )(w.q, xt, w.scales)
-        # slots no program wrote hold whatever the memory held: where, not a multiply, leaves them out
-        out = jnp.where(jnp.repeat(slots, rows, axis=1)[..., None], out, 0.0)
-        return sum_splits(out, n, m).T * unscale
-    if schedule == "specialized":
-        rows = SPECIALIZED_WGS * ROWS
-        if n % rows:
-            raise ValueError(f"the specialized schedule takes weights of a multiple of {rows} rows, got {n}")
     splits = splits or default_splits(n, k, rows=rows)
     if nb % splits:
         raise ValueError(f"{nb} super-blocks do not split {splits} ways")
-    if schedule == "specialized":
-        out = plgpu.kernel(
-            functools.partial(_specialized_body, t, nb // splits, stages, form),
-            out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
-            grid=(n // rows, splits), grid_names=("n", "k"), num_threads=SPECIALIZED_WGS + 1, thread_name="wg",
-            scratch_types=[plgpu.SMEM((SPECIALIZED_WGS, ROWS, t), jnp.float32)],
-            kernel_name="qmatmul_mgpu_q4_k",
-        )(w.q, xt, w.scales)
-        return sum_splits(out, n, m).T * unscale
     out = grid_product((w.q, xt, w.scales), functools.partial(_multiply, form), t=t, n=n, rows=rows,
                        steps=nb // splits, splits=splits, stages=stages, name="qmatmul_mgpu_q4_k")
     return sum_splits(out, n, m).T * unscale  # out is [splits, N, tokens]

@@ -6,8 +6,7 @@ build).
 
 A variant is `KEY=VALUE,...` over qmatmul's defaults (keys: gemv_asm, gemv_prefetch, mma_asm, mma_prefetch, int8_x,
 int8_block_n, int8_columns, int8_warps, mma_stages_<format>, mma_x_view, mma_tile_math_<format> (f32, bf16x2, f16x2),
-mgpu (the Mosaic GPU Q4_K kernel, with `--mgpu-layout`), mgpu_schedule (its `qmatmul_mgpu.SCHEDULES`); `shipped` for
-none). Each
+mgpu (the Mosaic GPU Q4_K kernel, with `--mgpu-layout`); `shipped` for none). Each
 variant's step is compiled once, ahead of time, under its options (jax's caches cleared first, so the kernels are
 traced again), and kept; then each round runs every variant in turn: an engine (`--mode`: ar, or ddtree at
 `--budget`, whose verify multiplies budget + 1 tokens whatever the random drafter proposes) generates `--n_gen`
@@ -54,7 +53,6 @@ SETTERS = {**{f"{kernel}_asm": (lambda v, k=kernel: qm.ASM.__setitem__(k, bool(v
               for fmt in qm.PACKED_FORMATS},
            "mma_x_view": lambda v: setattr(qm, "X_VIEW", bool(v)),
            "mgpu": lambda v: setattr(qm, "MGPU", bool(v)),
-           "mgpu_schedule": lambda v: set_qmatmul_defaults({"SCHEDULE": v}),
            **{f"mma_tile_math_{fmt.lower()}": (lambda v, f=fmt: qm.TILE_MATH.__setitem__(f, v))
               for fmt in qm.TILE_MATH}}
 

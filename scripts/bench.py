@@ -340,8 +340,6 @@ def main() -> None:
                          "for chain and ddtree)")
     ap.add_argument("--mgpu_order", choices=qmatmul_mgpu.ORDERS, default=None,
                     help="how the Mosaic GPU layout orders each 32-column group's quants (qmatmul_mgpu.ORDER)")
-    ap.add_argument("--mgpu_schedule", choices=qmatmul_mgpu.SCHEDULES, default=None,
-                    help="how the Mosaic GPU Q4_K kernel's programs share the work (qmatmul_mgpu.SCHEDULE)")
     ap.add_argument("--mgpu_nibbles", choices=qmatmul_mgpu.NIBBLES, default=None,
                     help="how the Mosaic GPU kernel makes Q4_K weights of the nibbles (qmatmul_mgpu.NIBBLE)")
     ap.add_argument("--mgpu_formats", nargs="+", choices=("Q4_K", "Q6_K"), default=None,
@@ -361,7 +359,6 @@ def main() -> None:
     set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
                                                           ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu),
                                                           ("ORDER", args.mgpu_order), ("NIBBLE", args.mgpu_nibbles),
-                                                          ("SCHEDULE", args.mgpu_schedule),
                                                           ("MGPU_FORMATS", args.mgpu_formats and
                                                            tuple(args.mgpu_formats)))
                            if value is not None})

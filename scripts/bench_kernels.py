@@ -15,7 +15,7 @@ variants, `--splits` the K split over 1, 2, 4 and 8 programs, `--variants` any q
 qmatmul_mgpu: the Mosaic GPU kernels on the 27B's Q4_K shapes (pallas_kernels/qmatmul_mgpu.py) and Q6_K ones
 (qmatmul_mgpu_q6k.py) at each `--m`, beside qmatmul on the same weights in the same run; its rate also counts GGUF
 bytes (its layouts read 2.8 % and 1 % more). `--variants` options apply to the Q4_K kernel here (e.g. `splits=2`,
-`stages=4`, `schedule=specialized`; `order=natural` packs the quants in that order, `nibbles=subnormal` in that
+`stages=4`, `rows=128`; `order=natural` packs the quants in that order, `nibbles=subnormal` in that
 form).
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV

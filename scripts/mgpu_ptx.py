@@ -1,7 +1,7 @@
 """The Mosaic GPU kernels' PTX and ptxas report (Q4_K, or Q6_K with --fmt), on a Hopper GPU: registers, spills,
 and the instructions of its pipeline loop (how many of each opcode, the barriers, the wgmma waits).
 
-    python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --order wgmma --fmt Q4_K --schedule grid]
+    python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --order wgmma --fmt Q4_K]
     python scripts/mgpu_ptx.py --read scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx   # a saved dump, no GPU
     python scripts/mgpu_ptx.py --read ... --sass   # also assembled for sm_90a by pip's triton (no GPU either)
 
@@ -62,8 +62,8 @@ def report(ptx: str, ptxas: str = "") -> str:
     return "\n".join(lines)
 
 
-def dump(out: Path, n: int, k: int, m: int, order: str, fmt: str = "Q4_K", schedule: str = "grid") -> tuple[str, str]:
-    """Compile and run the kernel for `fmt` (Q4_K: qmatmul_mgpu in `order` and `schedule`; Q6_K: qmatmul_mgpu_q6k)
+def dump(out: Path, n: int, k: int, m: int, order: str, fmt: str = "Q4_K") -> tuple[str, str]:
+    """Compile and run the kernel for `fmt` (Q4_K: qmatmul_mgpu in `order`; Q6_K: qmatmul_mgpu_q6k)
     once with Mosaic GPU's dumps going to `out`; the PTX and ptxas texts."""
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(out))
@@ -84,7 +84,7 @@ def dump(out: Path, n: int, k: int, m: int, order: str, fmt: str = "Q4_K", sched
         got, want = q6.qmatmul(x, w), q6.reference(x, w)
     else:
         w = mg.pack(qt, order)
-        got, want = mg.qmatmul(x, w, schedule=schedule), mg.reference(x, w)
+        got, want = mg.qmatmul(x, w), mg.reference(x, w)
     print(f"max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}")
     ptx = sorted(out.glob(f"qmatmul_mgpu_{fmt.lower()}*.ptx"))
     if not ptx:
@@ -137,8 +137,6 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=23, help="tokens")
     ap.add_argument("--order", default="wgmma", choices=("wgmma", "natural"), help="the Q4_K layout's quant order")
     ap.add_argument("--fmt", default="Q4_K", choices=("Q4_K", "Q6_K"), help="the weight format (its kernel)")
-    ap.add_argument("--schedule", default="grid", choices=("grid", "stream", "specialized"),
-                    help="the Q4_K kernel's schedule (qmatmul_mgpu.SCHEDULES)")
     ap.add_argument("--sass", action="store_true", help="also assemble the PTX (pip's triton) and count the SASS")
     args = ap.parse_args()
     if (args.out is None) == (args.read is None):
@@ -147,7 +145,7 @@ def main() -> None:
         ptxas = args.read.with_suffix(".ptxas")
         ptx_text, ptxas_text = args.read.read_text(), ptxas.read_text() if ptxas.exists() else ""
     else:
-        ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.order, args.fmt, args.schedule)
+        ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.order, args.fmt)
     print(report(ptx_text, ptxas_text))
     if args.sass:
         print(sass_report(*sass(ptx_text)))

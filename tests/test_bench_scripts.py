@@ -81,20 +81,19 @@ def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
 
 
 def test_bench_mgpu_switches_last_one_run(tmp_path, monkeypatch):
-    """--mgpu 2 --mgpu_formats Q4_K Q6_K --mgpu_nibbles subnormal --mgpu_schedule specialized packs both formats for
-    the Mosaic GPU kernels alone, Q4_K's nibbles in that form, its programs on that schedule, during the run, and
-    only then."""
+    """--mgpu 2 --mgpu_formats Q4_K Q6_K --mgpu_nibbles subnormal packs both formats for the Mosaic GPU kernels
+    alone, Q4_K's nibbles in that form, during the run, and only then."""
     import bench
     from pallas_kernels import qmatmul as qm
     from pallas_kernels import qmatmul_mgpu as mg
 
-    state = lambda: (qm.MGPU_LAYOUT, qm.MGPU_FORMATS, mg.NIBBLE, mg.SCHEDULE)  # noqa: E731
+    state = lambda: (qm.MGPU_LAYOUT, qm.MGPU_FORMATS, mg.NIBBLE)  # noqa: E731
     shipped, seen = state(), []
     monkeypatch.setattr(bench, "run", lambda args: seen.append(state()))
     run_script(bench, ["--out", str(tmp_path / "x.json"), "--mgpu", "2", "--mgpu_formats", "Q4_K", "Q6_K",
-                       "--mgpu_nibbles", "subnormal", "--mgpu_schedule", "specialized"])
-    assert seen == [("only", ("Q4_K", "Q6_K"), "subnormal", "specialized")]
-    assert state() == shipped == (False, ("Q4_K",), "magic", "grid")
+                       "--mgpu_nibbles", "subnormal"])
+    assert seen == [("only", ("Q4_K", "Q6_K"), "subnormal")]
+    assert state() == shipped == (False, ("Q4_K",), "magic")
 
 
 def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):
@@ -168,7 +167,6 @@ def test_mgpu_probe_reference_is_q4k_from_its_fields():
     """scripts/mgpu_probe.py's `codes` layout (quants stored as q - 8, 6-bit scales and mins, d and dmin per
     256 columns) multiplies as Q4_K's d sc q - dmin m, computed here from the fields directly."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import mgpu_probe

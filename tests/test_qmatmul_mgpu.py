@@ -122,10 +122,6 @@ def test_refuses_what_it_cannot_take():
         mg.qmatmul(jnp.zeros((4, 256)), w)
     with pytest.raises(ValueError, match="split 4 ways"):
         mg.qmatmul(jnp.zeros((4, 512)), w, splits=4)
-    with pytest.raises(ValueError, match="schedule is one of"):
-        mg.qmatmul(jnp.zeros((4, 512)), w, schedule="waves")
-    with pytest.raises(ValueError, match="multiple of 128 rows"):
-        mg.qmatmul(jnp.zeros((4, 512)), w, schedule="specialized")  # 64 rows
     with pytest.raises(ValueError, match="rows per program"):
         mg.qmatmul(jnp.zeros((4, 512)), w, rows=128)  # 64 rows
     with pytest.raises(ValueError, match="order is one of"):
@@ -136,16 +132,13 @@ def test_refuses_what_it_cannot_take():
         mg.pack(q4k(64, 256), "natural", nibbles="subnormal")
 
 
-@pytest.mark.parametrize("m,order,schedule", [(1, "wgmma", "grid"), (23, "wgmma", "grid"), (64, "wgmma", "grid"),
-                                              (23, "natural", "grid"), (1, "wgmma", "stream"), (23, "wgmma", "stream"),
-                                              (1, "wgmma", "specialized"), (23, "wgmma", "specialized")])
-def test_lowers_for_cuda_on_a_cpu(m, order, schedule):
+@pytest.mark.parametrize("m,order", [(1, "wgmma"), (23, "wgmma"), (64, "wgmma"), (23, "natural")])
+def test_lowers_for_cuda_on_a_cpu(m, order):
     """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes, the inline PTX's operands) run without a
     GPU."""
     w = mg.pack(q4k(128, 1024), order)
     x = jnp.zeros((m, 1024), jnp.float32)
-    text = jax.jit(mg.qmatmul, static_argnames="schedule").trace(x, w, schedule=schedule).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = mg.qmatmul.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -175,30 +168,6 @@ def test_scale_pairs_emulated_are_the_reference_scales():
         both = ((biased - 1024) * dd).astype(np.float16)  # the sub (exact) and the multiply, rounded once
         np.testing.assert_array_equal(both[..., 0], scale[:, j::mg.SUB_BLOCKS].reshape(64, 2))
         np.testing.assert_array_equal(both[..., 1], neg_min[:, j::mg.SUB_BLOCKS].reshape(64, 2))
-
-
-@pytest.mark.parametrize("n,k,programs", [(17408, 5120, 396), (5120, 17408, 396), (128, 512, 3), (640, 256, 7)])
-def test_stream_schedule_covers_every_step_once(n, k, programs):
-    """An emulation of `_stream_body`'s ranges and stores: every (row tile, super-block) step falls in one program's
-    range, and the tile-end stores land once each on exactly the slots `stream_slots` keeps, each slot's steps
-    contiguous."""
-    nb, tiles = k // 256, n // mg.ROWS
-    total = tiles * nb
-    slots = mg.stream_slots(n, nb, mg.ROWS, programs)
-    seen, stored, run = np.zeros(total, int), {}, 0
-    for p in range(programs):
-        start, end = p * total // programs, (p + 1) * total // programs
-        for g in range(start, end):
-            seen[g] += 1
-            assert mg._owner(g, total, programs) == p
-            run += 1
-            if g % nb == nb - 1 or g == end - 1:
-                key = (p - mg._owner(g // nb * nb, total, programs), g // nb)
-                assert key not in stored
-                stored[key], run = run, 0
-    assert (seen == 1).all()
-    assert sorted(stored) == sorted(zip(*np.nonzero(slots)))
-    assert all(sum(v for (s, tile), v in stored.items() if tile == t) == nb for t in range(tiles))
 
 
 def test_default_splits_divide_the_super_blocks():
@@ -270,23 +239,20 @@ Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 614
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", Q4K_27B)
-@pytest.mark.parametrize("m,order,schedule", [(m, "wgmma", "grid") for m in (2, 16, 23, 32, 64)]
-                         + [(2, "natural", "grid"), (23, "natural", "grid")]
-                         + [(m, "wgmma", schedule) for schedule in ("stream", "specialized") for m in (2, 23, 64)]
-                         + [(m, "subnormal", "grid") for m in (2, 23, 64)])
-def test_kernel_at_27b_shapes(n, k, m, order, schedule):
+@pytest.mark.parametrize("m,order", [(m, "wgmma") for m in (2, 16, 23, 32, 64)] + [(2, "natural"), (23, "natural")]
+                         + [(m, "subnormal") for m in (2, 23, 64)])
+def test_kernel_at_27b_shapes(n, k, m, order):
     nibbles = "subnormal" if order == "subnormal" else "magic"  # the "subnormal" form (in the "wgmma" order)
     w = mg.pack(q4k(n, k, seed=m), "wgmma" if order == "subnormal" else order, nibbles)
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
-    got = mg.qmatmul(x, w, schedule=schedule)
+    got = mg.qmatmul(x, w)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
     assert rel(got, mg.reference(x, w)) < 1e-4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order,schedule", [("wgmma", "grid"), ("natural", "grid"), ("wgmma", "stream"),
-                                            ("wgmma", "specialized"), ("subnormal", "grid")])
-def test_kernel_multiplies_the_reference_float16_weights(order, schedule):
+@pytest.mark.parametrize("order", ["wgmma", "natural", "subnormal"])
+def test_kernel_multiplies_the_reference_float16_weights(order):
     """x one-hot at 64 columns (a 2**F16_SHIFT, exact in float16) reads 64 of the kernel's weights out exactly:
     every row's float16 weight at each column is `f16_weights`', bit for bit (times the output's 2**(F16_SHIFT -
     gain), a power of two)."""
@@ -294,7 +260,7 @@ def test_kernel_multiplies_the_reference_float16_weights(order, schedule):
                 "subnormal" if order == "subnormal" else "magic")
     cols = np.random.default_rng(0).permutation(2048)[:64]
     x = jnp.zeros((64, 2048), jnp.float32).at[np.arange(64), cols].set(2.0 ** qm.F16_SHIFT)
-    np.testing.assert_array_equal(np.asarray(mg.qmatmul(x, w, schedule=schedule, programs=13)),
+    np.testing.assert_array_equal(np.asarray(mg.qmatmul(x, w)),
                                   np.asarray(mg.f16_weights(w)[:, cols].T.astype(jnp.float32)
                                              * 2.0 ** (qm.F16_SHIFT - w.gain)))
 

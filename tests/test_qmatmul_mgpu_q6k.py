@@ -110,12 +110,12 @@ def test_lowers_for_cuda_on_a_cpu(m):
     assert "mosaic_gpu" in text
 
 
-Q6K_27B = [(5120, 17408), (10240, 5120)]  # ffn_down and attn_qkv where Q4_K_M gives them more bits
+Q6K_27B = [(5120, 17408), (10240, 5120), (1024, 5120)]  # ffn_down, attn_qkv, attn_v where Q4_K_M gives more bits
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", Q6K_27B)
-@pytest.mark.parametrize("m", [2, 23, 64])
+@pytest.mark.parametrize("m", [2, 16, 23, 64])
 def test_kernel_at_27b_shapes(n, k, m):
     w = q6.pack(q6k(n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)

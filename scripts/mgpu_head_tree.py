@@ -1,0 +1,63 @@
+"""Whether a DDTree built in one jitted function from logits that pass through a Mosaic GPU kernel's head is the tree
+of the same logits built apart (a GPU check of a known failure; see the README, "Q6_K in the same form").
+
+    python scripts/mgpu_head_tree.py --fmt Q6_K --rows 248320   # the 27B's output head: WRONG on an H100 (jax 0.11.2)
+    python scripts/mgpu_head_tree.py --fmt Q6_K --rows 17408    # OK
+
+The logits are the benchmarks' forced ones (testing/oracle.py: noise, the sequence's token raised by 12) plus 1e-3
+times a random weight's product with x (as ForcedDrafter adds a real drafter's): the tree's tokens follow the
+sequence. "plain" builds the tree on that sum in one jit; "barrier" puts an optimization barrier between the two
+parts and the sum; "row-major head" and "row-major sum" hold the head's product, or the sum, to the row-major layout
+(jax.experimental.layout): the kernel's output is [N, tokens] transposed. Each is run twice; the reference tree is
+built op by op from the forced logits alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.layout import Layout, with_layout_constraint
+
+from dflash_jax.config import EngineConfig
+from dflash_jax.engine import step as S
+from dflash_jax.testing import synthetic
+from dflash_jax.testing.oracle import oracle_logits
+from pallas_kernels import qmatmul as qm
+
+
+ROW_MAJOR = Layout((0, 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fmt", choices=("Q4_K", "Q6_K"), default="Q6_K")
+    ap.add_argument("--rows", type=int, default=248320, help="the head's rows (the vocabulary)")
+    args = ap.parse_args()
+    v = args.rows
+    qm.MGPU_LAYOUT, qm.MGPU_FORMATS = "only", ("Q4_K", "Q6_K")
+    w = qm.pack(synthetic.random_matrix(jax.random.key(0), args.fmt, (v, 5120)))
+    ecfg = EngineConfig(mode="ddtree", budget=22, max_ctx=256)
+    seq = jnp.asarray(np.random.default_rng(5).integers(0, v, 320), jnp.int32)
+    pos, root = jnp.int32(64), jnp.int32(7)
+    forced = lambda s: oracle_logits(s, pos, 15, v, jnp.float32(0), 0)  # noqa: E731
+    want = np.asarray(S.step_tree(ecfg, root, forced(seq)).tokens)
+    x = jax.random.normal(jax.random.key(1), (15, 5120), jnp.float32)
+    variants = {
+        "plain": lambda x, w, s: S.step_tree(ecfg, root, forced(s) + 1e-3 * qm.qmatmul(x, w)).tokens,
+        "barrier": lambda x, w, s: S.step_tree(
+            ecfg, root, jnp.add(*jax.lax.optimization_barrier((forced(s), 1e-3 * qm.qmatmul(x, w))))).tokens,
+        "row-major head": lambda x, w, s: S.step_tree(
+            ecfg, root, forced(s) + 1e-3 * with_layout_constraint(qm.qmatmul(x, w), ROW_MAJOR)).tokens,
+        "row-major sum": lambda x, w, s: S.step_tree(
+            ecfg, root, with_layout_constraint(forced(s) + 1e-3 * qm.qmatmul(x, w), ROW_MAJOR)).tokens,
+    }
+    for name, fn in variants.items():
+        got = [np.asarray(jax.jit(fn)(x, w, seq)) for _ in range(2)]
+        print(args.fmt, v, name, ["OK" if (g == want).all() else f"WRONG {g[:6]}" for g in got], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""(-m gpu) The Mosaic GPU kernels inside the target: a random 4-layer target of the 27B's widths in the Q4_K_M types
+(Q6_K in the output head and, in layers 2 and 3, attn_qkv, attn_v and ffn_down), with every Q4_K and Q6_K product
+on the Mosaic kernels (the layout alone, as `generate` runs a tree) against the same weights on the Triton kernels:
+each matrix at 1, 16 and 23 tokens, a prefill and a 23-node tree verify, the drafter's proposals, DDTree decoding with
+an oracle drafter, and a tree built from logits through the head."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, load_draft_config, load_target_config
+from dflash_jax.engine.state import init_state
+from dflash_jax.engine.generate import Engine, EngineConfig
+from dflash_jax.engine.step import DFlashDrafter, step_tree
+from dflash_jax.models import target as T
+from dflash_jax.testing import synthetic
+from dflash_jax.testing.oracle import OracleDrafter, oracle_logits
+from pallas_kernels import qmatmul as qm
+
+pytestmark = pytest.mark.gpu
+
+CFG = dataclasses.replace(load_target_config(synthetic.TARGET_27B), num_layers=4,
+                          layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,))
+FORMATS = ("Q4_K", "Q6_K")
+
+
+def rel(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def targets():
+    """(Mosaic, Triton) targets over the same random weights."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qm, "MGPU_FORMATS", FORMATS)
+        mp.setattr(qm, "MGPU_LAYOUT", "only")
+        mosaic = synthetic.synthetic_target(CFG, impl="pallas")
+        mp.setattr(qm, "MGPU_LAYOUT", False)
+        triton = synthetic.synthetic_target(CFG, impl="pallas")
+    return mosaic.params, triton.params
+
+
+def _weights(params):
+    is_weight = lambda x: isinstance(x, qm.PackedWeight)  # noqa: E731
+    return jax.tree_util.tree_flatten_with_path(params, is_leaf=is_weight)[0]
+
+
+@pytest.mark.parametrize("m", [1, 16, 23])
+def test_every_matrix_on_its_kernel(targets, m):
+    """Each weight's Mosaic product against its kernel's reference, at M = 1 (decode), 16 (the drafter's block
+    through the head), 23 (a DDTree-22 verify)."""
+    mosaic, _ = targets
+    weights = [(jax.tree_util.keystr(path), w) for path, w in _weights(mosaic) if isinstance(w, qm.PackedWeight)]
+    assert {w.fmt for _, w in weights if w.mgpu_only} == set(FORMATS)
+    bad = []
+    for name, w in weights:
+        if w.mgpu_only:
+            x = jax.random.normal(jax.random.key(m), (m, w.shape[1]), jnp.float32)
+            err = rel(qm.qmatmul(x, w), qm.mgpu_module(w.fmt).reference(x, w.mgpu))
+            if not err < 1e-4:
+                bad.append(f"{name} {w.fmt} {w.shape}: {err:.2e}")
+    assert not bad, bad
+
+
+def test_prefill_and_tree_verify(targets):
+    """Logits of a 64-token prefill, then of a 23-node tree, as on the Triton kernels (the same weights)."""
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, 64), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, 23), jnp.int32)
+    parents = jnp.asarray([-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, 23)], jnp.int32)
+    prefill = jax.jit(T.prefill_chunk, static_argnums=(1,), static_argnames=("all_logits", "impl"))
+    verify = jax.jit(T.verify, static_argnums=(1, 5, 6))
+    out = []
+    for params in targets:
+        logits, _, state = prefill(params, CFG, init_state(CFG, 128), prompt, jnp.int32(64), all_logits=True,
+                                   impl="pallas")
+        tree_logits = verify(params, CFG, state, tokens, parents, (), "pallas")[0]
+        out.append((logits, tree_logits))
+    (prefill_m, verify_m), (prefill_t, verify_t) = out
+    for got, want in ((prefill_m, prefill_t), (verify_m, verify_t)):
+        errs = jnp.linalg.norm(got - want, axis=1) / jnp.linalg.norm(want, axis=1)
+        assert float(errs.max()) < 2e-2, np.asarray(errs)
+
+
+def test_drafter_proposals_through_the_head(targets):
+    """The drafter's logits for a DDTree's 15 depths, read out through the target's Q6_K head on each kernel."""
+    cfg = dataclasses.replace(load_draft_config(synthetic.DRAFT_27B), num_layers=1, layer_types=(FULL_ATTENTION,))
+    drafter = DFlashDrafter(cfg, "pallas")
+    params = synthetic.synthetic_draft(cfg, impl="pallas").params
+    taps = jax.random.normal(jax.random.key(1), (64, len(cfg.target_layer_ids), cfg.hidden_size), jnp.float32)
+    state = jax.jit(drafter.extend)(params, drafter.init_state(128, jnp.float32), taps, jnp.int32(64))
+    propose = jax.jit(drafter.propose, static_argnums=(5,))
+    mosaic, triton = (propose(params, state, t, jnp.int32(7), jnp.int32(64), 15) for t in targets)
+    assert bool(jnp.all(jnp.isfinite(mosaic)))
+    errs = jnp.linalg.norm(mosaic - triton, axis=1) / jnp.linalg.norm(triton, axis=1)
+    assert float(errs.max()) < 2e-2, np.asarray(errs)
+
+
+@pytest.mark.parametrize("kernels", ["mosaic", "triton"])
+def test_ddtree_accepts_the_ar_continuation(targets, kernels):
+    """DDTree-22 with an oracle drafter proposing the AR continuation without errors: the same tokens, most of each
+    tree's path accepted (a verify row disagreeing with the committed decode would accept its root alone)."""
+    params = targets[kernels == "triton"]
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, 40)
+    greedy = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=160), impl="pallas").generate(ids, 48).tokens
+    sequence = np.zeros(160, np.int32)
+    sequence[:len(ids) + len(greedy)] = np.concatenate([ids, greedy])
+    tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=22, max_ctx=160),
+                  OracleDrafter(16, CFG.vocab_size, 0.0, seed=1), {"sequence": jnp.asarray(sequence)}, impl="pallas")
+    gen = tree.generate(ids, 48)
+    assert gen.tokens[:16] == greedy[:16] and gen.mean_accept_length > 4, (gen.tokens, greedy,
+                                                                            gen.mean_accept_length)
+
+
+@pytest.mark.parametrize("kernels", [
+    pytest.param("mosaic", marks=pytest.mark.xfail(strict=True, reason=(
+        "known failure, root cause open: on an H100 with jax 0.11.2 the tree built in one jit from logits through a "
+        "Mosaic kernel's 248320-row head (Q4_K or Q6_K; 17408 rows are right) keeps none of the raised tokens "
+        "(scripts/mgpu_head_tree.py, scripts/results/mgpu_head_tree_h100.txt); so Q6_K stays off MGPU_FORMATS"))),
+    "triton"])
+def test_draft_tree_through_the_head(targets, kernels):
+    """A DDTree built in one jit from forced logits plus 1e-3 x the head's product (ForcedDrafter's sum) is the tree
+    of the forced logits alone: the tree follows the raised tokens."""
+    head = targets[kernels == "triton"]["lm_head"]
+    ecfg = EngineConfig(mode="ddtree", budget=22, max_ctx=256)
+    seq = jnp.asarray(np.random.default_rng(5).integers(0, CFG.vocab_size, 320), jnp.int32)
+    forced = lambda s: oracle_logits(s, jnp.int32(64), 15, CFG.vocab_size, jnp.float32(0), 0)  # noqa: E731
+    x = jax.random.normal(jax.random.key(1), (15, CFG.hidden_size), jnp.float32)
+    got = jax.jit(lambda x, w, s: step_tree(ecfg, jnp.int32(7), forced(s) + 1e-3 * qm.qmatmul(x, w)).tokens)(x, head,
+                                                                                                            seq)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(step_tree(ecfg, jnp.int32(7), forced(seq)).tokens))
