@@ -8,8 +8,11 @@ The logits are the benchmarks' forced ones (testing/oracle.py: noise, the sequen
 times a random weight's product with x (as ForcedDrafter adds a real drafter's): the tree's tokens follow the
 sequence. "plain" builds the tree on that sum in one jit; "barrier" puts an optimization barrier between the two
 parts and the sum; "row-major head" and "row-major sum" hold the head's product, or the sum, to the row-major layout
-(jax.experimental.layout): the kernel's output is [N, tokens] transposed. Each is run twice; the reference tree is
-built op by op from the forced logits alone.
+(jax.experimental.layout): the kernel's output is [N, tokens] transposed. The rest narrow it down: the top 1 of
+`lax.top_k` and the argmax of the sum in the jit, the tree of the forced logits alone in a jit that also runs the
+head, and the tree of the sum returned from one jit built in another. Each is run twice. A tree is checked on its
+root and its top-1 chain (nodes 0-15): its further nodes, rank-2 and rank-3 siblings of near-equal noise, may come in
+another order when 1e-3 of the head moves their log-probabilities.
 """
 
 from __future__ import annotations
@@ -43,21 +46,26 @@ def main() -> None:
     seq = jnp.asarray(np.random.default_rng(5).integers(0, v, 320), jnp.int32)
     pos, root = jnp.int32(64), jnp.int32(7)
     forced = lambda s: oracle_logits(s, pos, 15, v, jnp.float32(0), 0)  # noqa: E731
-    want = np.asarray(S.step_tree(ecfg, root, forced(seq)).tokens)
     x = jax.random.normal(jax.random.key(1), (15, 5120), jnp.float32)
-    variants = {
-        "plain": lambda x, w, s: S.step_tree(ecfg, root, forced(s) + 1e-3 * qm.qmatmul(x, w)).tokens,
-        "barrier": lambda x, w, s: S.step_tree(
-            ecfg, root, jnp.add(*jax.lax.optimization_barrier((forced(s), 1e-3 * qm.qmatmul(x, w))))).tokens,
-        "row-major head": lambda x, w, s: S.step_tree(
-            ecfg, root, forced(s) + 1e-3 * with_layout_constraint(qm.qmatmul(x, w), ROW_MAJOR)).tokens,
-        "row-major sum": lambda x, w, s: S.step_tree(
-            ecfg, root, with_layout_constraint(forced(s) + 1e-3 * qm.qmatmul(x, w), ROW_MAJOR)).tokens,
+    true = np.asarray(seq[65:80])  # the raised token at each depth: every row's top 1
+    want = np.concatenate([[7], true])  # the tree's root and its top-1 chain, nodes 0-15 (chain_seed)
+    head = lambda x, w: 1e-3 * qm.qmatmul(x, w)  # noqa: E731
+    tree = lambda logits: S.step_tree(ecfg, root, logits).tokens[:16]  # noqa: E731
+    variants = {  # name: (function of (x, w, seq), what it should give)
+        "plain": (lambda x, w, s: tree(forced(s) + head(x, w)), want),
+        "barrier": (lambda x, w, s: tree(jnp.add(*jax.lax.optimization_barrier((forced(s), head(x, w))))), want),
+        "row-major head": (lambda x, w, s: tree(forced(s) + with_layout_constraint(head(x, w), ROW_MAJOR)), want),
+        "row-major sum": (lambda x, w, s: tree(with_layout_constraint(forced(s) + head(x, w), ROW_MAJOR)), want),
+        "top_k's top 1": (lambda x, w, s: jax.lax.top_k(forced(s) + head(x, w), 8)[1][:, 0], true),
+        "argmax": (lambda x, w, s: jnp.argmax(forced(s) + head(x, w), axis=-1), true),
+        "tree beside the head": (lambda x, w, s: (tree(forced(s)), head(x, w))[0], want),
     }
-    for name, fn in variants.items():
+    for name, (fn, expected) in variants.items():
         got = [np.asarray(jax.jit(fn)(x, w, seq)) for _ in range(2)]
-        print(args.fmt, v, name, ["OK" if (g == want).all() else f"WRONG {g[:6]}" for g in got], flush=True)
-
+        print(args.fmt, v, name, ["OK" if (g == expected).all() else f"WRONG {g[:6]}" for g in got], flush=True)
+    logits = jax.jit(lambda x, w, s: forced(s) + head(x, w))(x, w, seq)  # the sum returned, then a tree of it
+    ok = (np.asarray(jax.jit(tree)(logits)) == want).all()
+    print(args.fmt, v, "tree of the returned sum", "OK" if ok else "WRONG", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -122,8 +122,8 @@ def test_ddtree_accepts_the_ar_continuation(targets, kernels):
         "(scripts/mgpu_head_tree.py, scripts/results/mgpu_head_tree_h100.txt); so Q6_K stays off MGPU_FORMATS"))),
     "triton"])
 def test_draft_tree_through_the_head(targets, kernels):
-    """A DDTree built in one jit from forced logits plus 1e-3 x the head's product (ForcedDrafter's sum) is the tree
-    of the forced logits alone: the tree follows the raised tokens."""
+    """A DDTree built in one jit from forced logits plus 1e-3 x the head's product (ForcedDrafter's sum) puts the
+    raised tokens on its top-1 chain."""
     head = targets[kernels == "triton"]["lm_head"]
     ecfg = EngineConfig(mode="ddtree", budget=22, max_ctx=256)
     seq = jnp.asarray(np.random.default_rng(5).integers(0, CFG.vocab_size, 320), jnp.int32)
@@ -131,4 +131,5 @@ def test_draft_tree_through_the_head(targets, kernels):
     x = jax.random.normal(jax.random.key(1), (15, CFG.hidden_size), jnp.float32)
     got = jax.jit(lambda x, w, s: step_tree(ecfg, jnp.int32(7), forced(s) + 1e-3 * qm.qmatmul(x, w)).tokens)(x, head,
                                                                                                             seq)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(step_tree(ecfg, jnp.int32(7), forced(seq)).tokens))
+    # nodes 1-15, the top-1 chain (chain_seed); later nodes are siblings of near-equal noise, in either order
+    np.testing.assert_array_equal(np.asarray(got)[1:16], np.asarray(seq[65:80]))
