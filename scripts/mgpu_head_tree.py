@@ -10,7 +10,8 @@ sequence. "plain" builds the tree on that sum in one jit; "barrier" puts an opti
 parts and the sum; "row-major head" and "row-major sum" hold the head's product, or the sum, to the row-major layout
 (jax.experimental.layout): the kernel's output is [N, tokens] transposed. The rest narrow it down: the top 1 of
 `lax.top_k` and the argmax of the sum in the jit, the tree of the forced logits alone in a jit that also runs the
-head, and the tree of the sum returned from one jit built in another. Each is run twice. A tree is checked on its
+head, the tree with a plain [4, N, 16] array summed and transposed as the kernel's output is (no Mosaic kernel), and
+the tree of the sum returned from one jit built in another. Each is run twice. A tree is checked on its
 root and its top-1 chain (nodes 0-15): its further nodes, rank-2 and rank-3 siblings of near-equal noise, may come in
 another order when 1e-3 of the head moves their log-probabilities.
 """
@@ -34,19 +35,20 @@ from pallas_kernels import qmatmul as qm
 ROW_MAJOR = Layout((0, 1))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fmt", choices=("Q4_K", "Q6_K"), default="Q6_K")
     ap.add_argument("--rows", type=int, default=248320, help="the head's rows (the vocabulary)")
-    args = ap.parse_args()
+    ap.add_argument("--cols", type=int, default=5120, help="the head's columns (the hidden size)")
+    args = ap.parse_args(argv)
     v = args.rows
     qm.MGPU_LAYOUT, qm.MGPU_FORMATS = "only", ("Q4_K", "Q6_K")
-    w = qm.pack(synthetic.random_matrix(jax.random.key(0), args.fmt, (v, 5120)))
+    w = qm.pack(synthetic.random_matrix(jax.random.key(0), args.fmt, (v, args.cols)))
     ecfg = EngineConfig(mode="ddtree", budget=22, max_ctx=256)
     seq = jnp.asarray(np.random.default_rng(5).integers(0, v, 320), jnp.int32)
     pos, root = jnp.int32(64), jnp.int32(7)
     forced = lambda s: oracle_logits(s, pos, 15, v, jnp.float32(0), 0)  # noqa: E731
-    x = jax.random.normal(jax.random.key(1), (15, 5120), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (15, args.cols), jnp.float32)
     true = np.asarray(seq[65:80])  # the raised token at each depth: every row's top 1
     want = np.concatenate([[7], true])  # the tree's root and its top-1 chain, nodes 0-15 (chain_seed)
     head = lambda x, w: 1e-3 * qm.qmatmul(x, w)  # noqa: E731
@@ -59,9 +61,12 @@ def main() -> None:
         "top_k's top 1": (lambda x, w, s: jax.lax.top_k(forced(s) + head(x, w), 8)[1][:, 0], true),
         "argmax": (lambda x, w, s: jnp.argmax(forced(s) + head(x, w), axis=-1), true),
         "tree beside the head": (lambda x, w, s: (tree(forced(s)), head(x, w))[0], want),
+        # no Mosaic kernel: an array shaped as its output, [splits, N, tokens], summed and transposed as qmatmul does
+        "tree, a transposed array for the head": (lambda x, w, s: tree(forced(s) + 1e-3 * x.sum(0)[:v, :15].T), want),
     }
+    y = jax.random.normal(jax.random.key(2), (4, v, 16), jnp.float32)
     for name, (fn, expected) in variants.items():
-        got = [np.asarray(jax.jit(fn)(x, w, seq)) for _ in range(2)]
+        got = [np.asarray(jax.jit(fn)(y if "array" in name else x, w, seq)) for _ in range(2)]
         print(args.fmt, v, name, ["OK" if (g == expected).all() else f"WRONG {g[:6]}" for g in got], flush=True)
     logits = jax.jit(lambda x, w, s: forced(s) + head(x, w))(x, w, seq)  # the sum returned, then a tree of it
     ok = (np.asarray(jax.jit(tree)(logits)) == want).all()

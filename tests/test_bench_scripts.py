@@ -344,3 +344,18 @@ def test_weight_bytes_by_format_of_the_27b():
     by_format = bench_kernels.weight_bytes_by_format()
     assert sorted(by_format) == ["Q4_K", "Q6_K"] and bench_kernels.ar_weight_bytes() == sum(by_format.values())
     assert round(by_format["Q4_K"] / 1e9, 2) == 11.36 and round(by_format["Q6_K"] / 1e9, 2) == 4.45
+
+
+def test_mgpu_head_tree_passes_with_the_reference_product(monkeypatch, capsys):
+    """scripts/mgpu_head_tree.py's checks hold where nothing is wrong: with qmatmul's reference product (a CPU) every
+    variant reports OK, so a WRONG on a GPU is the kernel's or the compiler's, not the harness's (the tree's later
+    siblings, which 1e-3 of the head may reorder, are not compared)."""
+    import mgpu_head_tree
+    from pallas_kernels import qmatmul as qm
+
+    monkeypatch.setattr(qm, "qmatmul", lambda x, w: qm.qmatmul_reference(x, w))
+    monkeypatch.setattr(qm, "MGPU_LAYOUT", qm.MGPU_LAYOUT)  # main sets both; restored after
+    monkeypatch.setattr(qm, "MGPU_FORMATS", qm.MGPU_FORMATS)
+    mgpu_head_tree.main(["--fmt", "Q6_K", "--rows", "2048", "--cols", "256"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 9 and all("WRONG" not in line and "OK" in line for line in lines), lines
