@@ -9,11 +9,12 @@ times a random weight's product with x (as ForcedDrafter adds a real drafter's):
 sequence. "plain" builds the tree on that sum in one jit; "barrier" puts an optimization barrier between the two
 parts and the sum; "row-major head" and "row-major sum" hold the head's product, or the sum, to the row-major layout
 (jax.experimental.layout): the kernel's output is [N, tokens] transposed. The rest narrow it down: the top 1 of
-`lax.top_k` and the argmax of the sum in the jit, the tree of the forced logits alone in a jit that also runs the
-head, the tree with a plain [4, N, 16] array summed and transposed as the kernel's output is (no Mosaic kernel), and
-the tree of the sum returned from one jit built in another. Each is run twice. A tree is checked on its
-root and its top-1 chain (nodes 0-15): its further nodes, rank-2 and rank-3 siblings of near-equal noise, may come in
-another order when 1e-3 of the head moves their log-probabilities.
+`lax.top_k` and the argmax of the sum in the jit; the raise written as a one-hot sum instead of oracle_logits'
+scatter; the tree of the forced logits alone in a jit that also runs the head; the tree with a plain [4, N, 16] array
+summed and transposed as the kernel's output is (no Mosaic kernel); the tree of the sum returned from one jit built
+in another. Each is run twice. A tree is checked on its root and its top-1 chain (nodes 0-15): its further nodes,
+rank-2 and rank-3 siblings of near-equal noise, may come in another order when 1e-3 of the head moves their
+log-probabilities.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ from pallas_kernels import qmatmul as qm
 
 
 ROW_MAJOR = Layout((0, 1))
+
+
+def boosted(sequence: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
+    """oracle_logits at error rate 0 (the same noise and raised tokens) with the raise as a one-hot sum, no scatter."""
+    pos = position + jnp.arange(1, 16)
+    true = sequence[pos]
+    keys = jax.vmap(lambda p: jax.random.fold_in(jax.random.PRNGKey(0), p))(pos)
+    noise = jax.vmap(lambda k: jax.random.normal(jax.random.split(k, 3)[0], (vocab_size,)))(keys)
+    return noise + jnp.where(jnp.arange(vocab_size) == true[:, None], 12.0, 0.0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         "top_k's top 1": (lambda x, w, s: jax.lax.top_k(forced(s) + head(x, w), 8)[1][:, 0], true),
         "argmax": (lambda x, w, s: jnp.argmax(forced(s) + head(x, w), axis=-1), true),
         "tree beside the head": (lambda x, w, s: (tree(forced(s)), head(x, w))[0], want),
+        "one-hot boosts": (lambda x, w, s: tree(boosted(s, pos, v) + head(x, w)), want),
         # no Mosaic kernel: an array shaped as its output, [splits, N, tokens], summed and transposed as qmatmul does
         "tree, a transposed array for the head": (lambda x, w, s: tree(forced(s) + 1e-3 * x.sum(0)[:v, :15].T), want),
     }

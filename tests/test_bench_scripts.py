@@ -358,4 +358,4 @@ def test_mgpu_head_tree_passes_with_the_reference_product(monkeypatch, capsys):
     monkeypatch.setattr(qm, "MGPU_FORMATS", qm.MGPU_FORMATS)
     mgpu_head_tree.main(["--fmt", "Q6_K", "--rows", "2048", "--cols", "256"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 9 and all("WRONG" not in line and "OK" in line for line in lines), lines
+    assert len(lines) == 10 and all("WRONG" not in line and "OK" in line for line in lines), lines
