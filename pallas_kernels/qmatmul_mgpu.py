@@ -60,8 +60,9 @@ ORDER = "wgmma"
 # how the kernel makes a float16 weight of a nibble (`MgpuQ4K.nibbles`): "magic", under float16's exponent of 1024 (or
 # 64), which a sub takes off before the fma; "subnormal", as a float16 subnormal q 2**-24 (or q 2**-20) that the fma
 # multiplies by the scale times 2**24 (2**20), no sub: the weights then carry a gain per weight matrix (`pack`)
-# instead of 2**F16_SHIFT, and the output is scaled back. "subnormal" is written and checked on a CPU, not yet run on
-# a GPU
+# instead of 2**F16_SHIFT, and the output is scaled back. "subnormal" is right on an H100 (the tensor cores keep the
+# subnormals) and 1.007-1.029x faster there (scripts/results/qmatmul_mgpu_q6k_h100.txt); not the default until the
+# engine shows it
 NIBBLES = ("magic", "subnormal")
 NIBBLE = "magic"
 # (mask, xor, magic) of the lop3 that makes float16 magic + q from the "wgmma" order's nibbles at bits 0-3 (magic
