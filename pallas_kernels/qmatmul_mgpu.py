@@ -235,11 +235,17 @@ def f16_weights(w: MgpuQ4K) -> jax.Array:
     return (q * scale[..., None] + neg_min[..., None]).reshape(w.shape).astype(jnp.float16)
 
 
+def f16_product(x: jax.Array, weights: jax.Array, gain: int) -> jax.Array:
+    """x [M, K] rounded as the kernels take it times float16 weights [N, K] that carry a gain of 2**gain: [M, N]
+    float32 (the Mosaic kernels' references)."""
+    out = jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), weights.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out * 2.0 ** (F16_SHIFT - gain)
+
+
 def reference(x: jax.Array, w: MgpuQ4K) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them."""
-    out = jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), f16_weights(w).astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    return out * 2.0 ** (F16_SHIFT - w.gain)
+    return f16_product(x, f16_weights(w), w.gain)
 
 
 def default_splits(n: int, k: int, target: int = 2048, rows: int = ROWS) -> int:
@@ -489,17 +495,23 @@ def _body(t: int, rows: int, steps: int, stages: int, multiply, extra_specs: tup
     plgpu.wait_smem_to_gmem(0)
 
 
-def grid_product(inputs: tuple, multiply, *, t: int, n: int, rows: int, steps: int, splits: int, stages: int,
-                 name: str, extra_specs: tuple = ()) -> jax.Array:
-    """The "grid" schedule's kernel (`_body`) on `inputs` (quants, x^T's operand, scales, then the inputs of
-    `extra_specs`, each (t, rows, at) -> its BlockSpec): partial products [splits, N, t] float32."""
-    return plgpu.kernel(
-        functools.partial(_body, t, rows, steps, stages, multiply, tuple(extra_specs)),
+def grid_product(inputs: tuple, multiply, *, m: int, t: int, n: int, rows: int, blocks: int, splits: int | None,
+                 stages: int, name: str, extra_specs: tuple = ()) -> jax.Array:
+    """The "grid" schedule's kernel (`_body`) on `inputs` (quants, x^T's operand of t >= m tokens, scales, then the
+    inputs of `extra_specs`, each (t, rows, at) -> its BlockSpec): the product [m, N] float32, a program per row
+    tile of `rows` and K split, `splits` (default `default_splits`) dividing the weight's `blocks` super-blocks, its
+    partial products added by XLA."""
+    splits = splits or default_splits(n, blocks * QK_K, rows=rows)
+    if blocks % splits:
+        raise ValueError(f"{blocks} super-blocks do not split {splits} ways")
+    out = plgpu.kernel(
+        functools.partial(_body, t, rows, blocks // splits, stages, multiply, tuple(extra_specs)),
         out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
         grid=(n // rows, splits), grid_names=("n", "k"),
         scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
         kernel_name=name,
     )(*inputs)
+    return sum_splits(out, n, m).T  # out is [splits, N, tokens]
 
 
 def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
@@ -524,13 +536,9 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
     form, unscale = (w.order, w.nibbles, w.gain), 2.0 ** (F16_SHIFT - w.gain)  # x enters times 2**-F16_SHIFT
-    nb = k // QK_K
     rows = rows or ROWS
     if rows not in ROWS_PER_PROGRAM or n % rows:
         raise ValueError(f"rows per program is one of {ROWS_PER_PROGRAM} and divides the weight's {n}, got {rows}")
-    splits = splits or default_splits(n, k, rows=rows)
-    if nb % splits:
-        raise ValueError(f"{nb} super-blocks do not split {splits} ways")
-    out = grid_product((w.q, xt, w.scales), functools.partial(_multiply, form), t=t, n=n, rows=rows,
-                       steps=nb // splits, splits=splits, stages=stages, name="qmatmul_mgpu_q4_k")
-    return sum_splits(out, n, m).T * unscale  # out is [splits, N, tokens]
+    out = grid_product((w.q, xt, w.scales), functools.partial(_multiply, form), m=m, t=t, n=n, rows=rows,
+                       blocks=k // QK_K, splits=splits, stages=stages, name="qmatmul_mgpu_q4_k")
+    return out * unscale

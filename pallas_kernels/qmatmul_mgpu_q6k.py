@@ -33,9 +33,9 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax.quant import QK_K, QTensor, q6_k_quants
-from pallas_kernels.qmatmul import F16_SHIFT, f16_holds, sum_splits, x_operand
+from pallas_kernels.qmatmul import F16_SHIFT, f16_holds
 from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_PERM, _scalar,
-                                         _scale_pairs, _scaled_dd, default_splits, grid_product, x_tokens)
+                                         _scale_pairs, _scaled_dd, f16_product, grid_product, x_tokens)
 
 SUB = 16  # columns of a Q6_K sub-block (one int8 scale): half a 32-column group, one wgmma of K = 16
 CHUNK = 2 * GROUP  # columns whose high bits one 32-bit word of `hi` holds for a lane
@@ -175,8 +175,7 @@ def f16_weights(w: MgpuQ6K) -> jax.Array:
 
 def reference(x: jax.Array, w: MgpuQ6K) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them."""
-    return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), f16_weights(w).astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+    return f16_product(x, f16_weights(w), w.gain)
 
 
 def _f16_tile_q6k(lo, hi, words, d, group: int):
@@ -252,13 +251,9 @@ def _hi_spec(t: int, rows: int, at) -> plgpu.BlockSpec:
 @functools.partial(jax.jit, static_argnames=("splits", "stages"))
 def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int = STAGES) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
-    per 64 weight rows and K split (`splits`, default qmatmul_mgpu.default_splits), `stages` steps in flight."""
+    per 64 weight rows and K split (`splits`, default qmatmul_mgpu.default_splits; `grid_product`), `stages` steps in
+    flight."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
-    nb = k // QK_K
-    splits = splits or default_splits(n, k)
-    if nb % splits:
-        raise ValueError(f"{nb} super-blocks do not split {splits} ways")
-    out = grid_product((w.lo, xt, w.scales, w.hi), _multiply, t=t, n=n, rows=ROWS, steps=nb // splits,
-                       splits=splits, stages=stages, name="qmatmul_mgpu_q6_k", extra_specs=(_hi_spec,))
-    return sum_splits(out, n, m).T
+    return grid_product((w.lo, xt, w.scales, w.hi), _multiply, m=m, t=t, n=n, rows=ROWS, blocks=k // QK_K,
+                        splits=splits, stages=stages, name="qmatmul_mgpu_q6_k", extra_specs=(_hi_spec,))

@@ -83,5 +83,6 @@ def main(argv: list[str] | None = None) -> None:
     ok = (np.asarray(jax.jit(tree)(logits)) == want).all()
     print(args.fmt, v, "tree of the returned sum", "OK" if ok else "WRONG", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -72,19 +72,15 @@ def dump(out: Path, n: int, k: int, m: int, order: str, fmt: str = "Q4_K") -> tu
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dflash_jax.testing.synthetic import random_matrix
+    from pallas_kernels import qmatmul as qm
     from pallas_kernels import qmatmul_mgpu as mg
-    from pallas_kernels import qmatmul_mgpu_q6k as q6
 
     if not mg.available():
         raise SystemExit("the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x)")
-    qt = random_matrix(jax.random.key(0), fmt, (n, k))
+    qt, kernel = random_matrix(jax.random.key(0), fmt, (n, k)), qm.mgpu_module(fmt)
+    w = mg.pack(qt, order) if fmt == "Q4_K" else kernel.pack(qt)
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
-    if fmt == "Q6_K":
-        w = q6.pack(qt)
-        got, want = q6.qmatmul(x, w), q6.reference(x, w)
-    else:
-        w = mg.pack(qt, order)
-        got, want = mg.qmatmul(x, w), mg.reference(x, w)
+    got, want = kernel.qmatmul(x, w), kernel.reference(x, w)
     print(f"max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}")
     ptx = sorted(out.glob(f"qmatmul_mgpu_{fmt.lower()}*.ptx"))
     if not ptx:
