@@ -495,10 +495,10 @@ X_VIEW = False
 # (generate.mgpu_layout)
 MGPU_LAYOUTS = (False, True, "only")
 MGPU_LAYOUT = False
-# the formats `MGPU_LAYOUT` applies to: Q4_K. Q6_K's kernel (qmatmul_mgpu_q6k.py) is right and 1.7-2.3x faster on an
-# H100, but a DDTree built in the step from logits through a Mosaic kernel's 248320-row head comes out wrong
-# (scripts/mgpu_head_tree.py), and the head is Q6_K: it joins once that is understood
-MGPU_FORMATS = ("Q4_K",)
+# the formats `MGPU_LAYOUT` applies to. Q6_K's kernel (qmatmul_mgpu_q6k.py) is 1.7-2.3x faster than the Triton
+# kernel on an H100 and made the DDTree-22 step 21.67 -> 19.00 ms at the same acceptance
+# (scripts/results/bench_27b_h100_mgpu_q6k_b.txt)
+MGPU_FORMATS = ("Q4_K", "Q6_K")
 MGPU = True
 # Per format, how the tensor-core kernel dequantizes its tiles (`TILE_MATHS`; f32 for a weight f16x2 cannot hold).
 # f16x2: Q4_K's kernels 1.02-1.15x faster than f32 and 6x closer to the float32 product (3.0e-4 against 1.7e-3), the

@@ -18,8 +18,7 @@ qmatmul_mgpu's `_scale_pairs`): each weight rounded once to float16, as `f16_wei
 GPU only (Hopper), as qmatmul_mgpu: the CPU tests check the layout, the bit operations (emulated in numpy) and
 the reference, and that the kernel lowers for CUDA; on an H100 it matches its reference at the 27B's Q6_K shapes
 and is 1.7-2.3x faster than the Triton kernel (scripts/results/qmatmul_mgpu_q6k_h100.txt). `qmatmul.pack` gives Q6_K
-weights this layout only where `qmatmul.MGPU_FORMATS` names Q6_K, which it does not by default: a DDTree built in the
-step from logits through a Mosaic head of 248320 rows comes out wrong (scripts/mgpu_head_tree.py).
+weights this layout where `qmatmul.MGPU_FORMATS` names Q6_K (by default).
 """
 
 from __future__ import annotations

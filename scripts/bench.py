@@ -344,7 +344,7 @@ def main() -> None:
                     help="how the Mosaic GPU kernel makes Q4_K weights of the nibbles (qmatmul_mgpu.NIBBLE)")
     ap.add_argument("--mgpu_formats", nargs="+", choices=("Q4_K", "Q6_K"), default=None,
                     help="the weight formats --mgpu packs for the Mosaic GPU kernels (qmatmul.MGPU_FORMATS; default "
-                         "Q4_K)")
+                         "Q4_K Q6_K)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):

@@ -1,20 +1,22 @@
 """Whether a DDTree built in one jitted function from logits that pass through a Mosaic GPU kernel's head is the tree
-of the same logits built apart (a GPU check of a known failure; see the README, "Q6_K in the same form").
+of the same logits built apart (a GPU check of a failure found and fixed; see scripts/results/mgpu_head_tree_h100.txt).
 
-    python scripts/mgpu_head_tree.py --fmt Q6_K --rows 248320   # the 27B's output head: WRONG on an H100 (jax 0.11.2)
-    python scripts/mgpu_head_tree.py --fmt Q6_K --rows 17408    # OK
+    python scripts/mgpu_head_tree.py --fmt Q6_K --rows 248320   # the 27B's output head
 
 The logits are the benchmarks' forced ones (testing/oracle.py: noise, the sequence's token raised by 12) plus 1e-3
 times a random weight's product with x (as ForcedDrafter adds a real drafter's): the tree's tokens follow the
 sequence. "plain" builds the tree on that sum in one jit; "barrier" puts an optimization barrier between the two
 parts and the sum; "row-major head" and "row-major sum" hold the head's product, or the sum, to the row-major layout
-(jax.experimental.layout): the kernel's output is [N, tokens] transposed. The rest narrow it down: the top 1 of
-`lax.top_k` and the argmax of the sum in the jit; the raise written as a one-hot sum instead of oracle_logits'
+(jax.experimental.layout): the kernel's output is [N, tokens] transposed. The rest narrow it down: the top 1 of a
+bare `lax.top_k` and the argmax of the sum in the jit; the raise written as a one-hot sum instead of oracle_logits'
 scatter; the tree of the forced logits alone in a jit that also runs the head; the tree with a plain [4, N, 16] array
 summed and transposed as the kernel's output is (no Mosaic kernel); the tree of the sum returned from one jit built
-in another. Each is run twice. A tree is checked on its root and its top-1 chain (nodes 0-15): its further nodes,
-rank-2 and rank-3 siblings of near-equal noise, may come in another order when 1e-3 of the head moves their
-log-probabilities.
+in another; last, a bare `lax.top_k` of a column-major jit argument. Each is run twice. A tree is checked on its
+root and its top-1 chain (nodes 0-15): its further nodes, rank-2 and rank-3 siblings of near-equal noise, may come
+in another order when 1e-3 of the head moves their log-probabilities.
+
+On an H100 (jax 0.11.2) the trees came out wrong until tree.top_log_probs held its logits row-major: XLA's GPU
+top-k kernel read the column-major sum as row-major. The bare `lax.top_k` variant still shows that.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.layout import Layout, with_layout_constraint
+from jax.experimental.layout import Format, Layout, with_layout_constraint
+from jax.sharding import SingleDeviceSharding
 
 from dflash_jax.config import EngineConfig
 from dflash_jax.engine import step as S
@@ -82,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     logits = jax.jit(lambda x, w, s: forced(s) + head(x, w))(x, w, seq)  # the sum returned, then a tree of it
     ok = (np.asarray(jax.jit(tree)(logits)) == want).all()
     print(args.fmt, v, "tree of the returned sum", "OK" if ok else "WRONG", flush=True)
+    column_major = Format(Layout((1, 0)), SingleDeviceSharding(jax.devices()[0]))
+    arg = jax.device_put(np.asarray(logits), column_major)
+    top = jax.jit(lambda a: jax.lax.top_k(a, 8)[1][:, 0], in_shardings=column_major)(arg)
+    print(args.fmt, v, "lax.top_k's top 1 of a column-major argument",
+          "OK" if (np.asarray(top) == true).all() else "WRONG", flush=True)
 
 
 if __name__ == "__main__":

@@ -115,12 +115,7 @@ def test_ddtree_accepts_the_ar_continuation(targets, kernels):
                                                                             gen.mean_accept_length)
 
 
-@pytest.mark.parametrize("kernels", [
-    pytest.param("mosaic", marks=pytest.mark.xfail(strict=True, reason=(
-        "known failure, root cause open: on an H100 with jax 0.11.2 the tree built in one jit from logits through a "
-        "Mosaic kernel's 248320-row head (Q4_K or Q6_K; 17408 rows are right) keeps none of the raised tokens "
-        "(scripts/mgpu_head_tree.py, scripts/results/mgpu_head_tree_h100.txt); so Q6_K stays off MGPU_FORMATS"))),
-    "triton"])
+@pytest.mark.parametrize("kernels", ["mosaic", "triton"])
 def test_draft_tree_through_the_head(targets, kernels):
     """A DDTree built in one jit from forced logits plus 1e-3 x the head's product (ForcedDrafter's sum) puts the
     raised tokens on its top-1 chain."""

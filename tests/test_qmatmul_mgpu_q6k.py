@@ -153,15 +153,16 @@ def test_kernel_multiplies_the_reference_float16_weights():
 @pytest.fixture
 def q6k_layout_only(monkeypatch):
     monkeypatch.setattr(qm, "MGPU_LAYOUT", "only")
-    monkeypatch.setattr(qm, "MGPU_FORMATS", ("Q4_K", "Q6_K"))
 
 
 def test_pack_takes_the_q6k_layout_only_where_mgpu_formats_says():
-    """Q6_K stays on the Triton kernels unless `MGPU_FORMATS` names it (not yet by default); an unknown format there
-    is refused."""
-    assert "Q6_K" not in qm.MGPU_FORMATS
+    """Q6_K takes its Mosaic layout by default and stays on the Triton kernels where `MGPU_FORMATS` leaves it out;
+    an unknown format there is refused."""
+    assert qm.MGPU_FORMATS == ("Q4_K", "Q6_K")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(qm, "MGPU_LAYOUT", "only")
+        assert isinstance(qm.pack(q6k(128, 512)).mgpu, q6.MgpuQ6K)
+        mp.setattr(qm, "MGPU_FORMATS", ("Q4_K",))
         assert qm.pack(q6k(128, 512)).mgpu is None
         mp.setattr(qm, "MGPU_FORMATS", ("Q4_K", "Q5_K"))
         with pytest.raises(ValueError, match="MGPU_FORMATS"):

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.layout import Format, Layout
+from jax.sharding import SingleDeviceSharding
 
 from dflash_jax.engine.tree import accept, build_tree, chain_tree, top_log_probs
 from dflash_jax.models.target import tree_block
@@ -74,6 +76,18 @@ def test_chain_seeded_tree_properties(seed, budget, topk):
                     if (i, int(ids[d, r])) not in in_tree:
                         assert tree.logw[i] + lp[d, r] <= extras[-1] + 1e-5
                         break
+
+
+def test_top_log_probs_of_a_column_major_operand():
+    """Logits held column-major (as the Mosaic head's transposed product leaves them) give the same top-k: XLA's GPU
+    top-k kernel reads a row-major operand whatever the layout, so top_log_probs pins it (run on a GPU too)."""
+    logits = np.random.default_rng(0).normal(0.0, 2.0, (15, 5003)).astype(np.float32)
+    column_major = Format(Layout((1, 0)), SingleDeviceSharding(jax.devices()[0]))
+    lp, ids = jax.jit(lambda x: top_log_probs(x, 8), in_shardings=column_major)(jax.device_put(logits, column_major))
+    want = np.argsort(-logits, axis=1, kind="stable")[:, :8]
+    np.testing.assert_array_equal(np.asarray(ids), want)
+    norm = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(norm, want, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_budget_larger_than_the_tree_marks_unfilled_nodes_invalid():

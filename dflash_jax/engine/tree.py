@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +28,10 @@ class Tree:
 
 def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Per depth: the top-k log-probabilities (full-vocabulary normalisation) and their token ids, best first."""
-    logits = logits.astype(jnp.float32)
+    # XLA's GPU top-k kernel (__gpu$TopK) reads its operand as row-major whatever its layout; logits summed from the
+    # Mosaic kernel's transposed [V, tokens] head product reached it column-major and gave another vocabulary's top-k
+    # (H100, jax 0.11.2: scripts/mgpu_head_tree.py)
+    logits = with_layout_constraint(logits.astype(jnp.float32), Layout(tuple(range(logits.ndim))))
     # the barrier keeps XLA on CPU from rewriting top_k as a full sort of the vocabulary (38 ms for 15 x 8192 on
     # two cores, against 0.5 ms) when a caller slices its outputs (the chain seed's lp[:, 0])
     values, ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
