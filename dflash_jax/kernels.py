@@ -1,7 +1,8 @@
 """The kernel switch: `impl="reference"` runs the plain-jnp paths, `impl="pallas"` the Pallas GPU kernels.
 
-Matrices: with `impl="pallas"` every Q4_K/Q5_K/Q6_K/Q8_0 matrix is repacked once at load into the qmatmul layout
-(pallas_kernels/qmatmul.py) and `linear` dispatches on that type; dense weights stay with XLA's product, which
+Matrices: with `impl="pallas"` every Q4_K/Q5_K/Q6_K/Q8_0 matrix of `SMALL_ROWS` rows or more is repacked once at
+load into the qmatmul layout (pallas_kernels/qmatmul.py) and `linear` dispatches on that type; smaller ones are
+dequantized to float32 for XLA's product; dense weights stay with XLA's product, which
 measured faster than the kernel's dense path (README, Kernels). Attention (pallas_kernels/tree_attention.py), the
 tree conv (pallas_kernels/tree_conv.py) and the gated delta rule (pallas_kernels/gdn.py) take `impl` as a static
 argument, which the models thread through from the loaded target. On a CPU the Pallas kernels run in interpret
@@ -42,6 +43,11 @@ def resolve_impl(impl: str) -> str:
 
 
 DENSE_LIMIT = 1 << 30  # bytes of float32 matrices the reference path keeps dequantized (see prepare_matrices)
+# Quantized matrices with fewer rows than this stay out of the Pallas kernels, dequantized to float32 at load (the
+# 27B's 48-row ssm_alpha and ssm_beta, 0.9 MB each so): less than one of the kernels' 64-row tiles, a product took
+# 14.5 us on an H100 in the DDTree-22 step's profile (1.39 ms of its 18.3 for 96 of them, plus x padded for each;
+# scripts/results/gpu_step_profile_mgpu_h100.txt), latency rather than bytes; XLA's dot takes a few
+SMALL_ROWS = 64
 
 
 def prepare_matrices(params: Any, impl: str, skip: tuple[str, ...] = (), dense_limit: int = DENSE_LIMIT) -> Any:
@@ -66,9 +72,10 @@ def prepare_matrices(params: Any, impl: str, skip: tuple[str, ...] = (), dense_l
 
 
 def prepare_matrix(x: Any, impl: str) -> Any:
-    """One tensor in the layout `impl` computes with (a quantized QTensor -> PackedWeight for `pallas`)."""
+    """One tensor in the layout `impl` computes with (for `pallas`, a quantized QTensor -> PackedWeight, or float32
+    below `SMALL_ROWS` rows)."""
     if resolve_impl(impl) == "pallas" and isinstance(x, QTensor) and x.fmt in qm.QUANTIZED_FORMATS:
-        return qm.pack(x)
+        return dequantize(x) if x.shape[0] < SMALL_ROWS else qm.pack(x)
     return x
 
 

@@ -54,6 +54,11 @@ GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
 SCALE_WORDS = SUB_BLOCKS // 2 + 1  # 32-bit words per row and super-block of `MgpuQ4K.scales`
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
+# columns of the weight one wgmma call multiplies (its fence, commit and wait), a sub-block or several. 64 and 128
+# were 0.96-1.08x as fast as 32 on an H100 (most near 1.01 at 23 tokens: scripts/results/qmatmul_mgpu_cols_h100.txt);
+# 256 (a whole super-block, 64 registers of A) gave NaN there and is not offered
+WGMMA_COLS = (32, 64, 128)
+COLS = 32
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
 ORDERS = ("wgmma", "natural")  # how `pack` orders the quants of each 32-column group (`MgpuQ4K.order`)
 ORDER = "wgmma"
@@ -387,9 +392,10 @@ def _f16_tile(q, words, dd, part: int):
 
 
 def _f16_tile_wgmma(q, words, dd, part: int, subnormal: bool = False):
-    """q [64 r, 32] int4 in the "wgmma" order as loaded (WGMMA_UPCAST_4X: a lane's 8 quants of a row in one 32-bit
-    word) -> float16 [64 r, 32] in WGMMA layout, (q ^ 8) scale + neg_min per row (`words`, `dd`, `part` as
-    `_f16_tile` takes them), with no data between lanes.
+    """q [64 r, 32 g] int4 in the "wgmma" order as loaded (WGMMA_UPCAST_4X: a lane's 8 quants of a row in one 32-bit
+    word) -> float16 [64 r, 32 g] in WGMMA layout, (q ^ 8) scale + neg_min per row (`words`, `dd`, `part` as
+    `_f16_tile` takes them for the first sub-block; with g > 1 `words` is a tuple, sub-block c taking word
+    (part + c) // 2, part (part + c) % 2), with no data between lanes.
 
     The order (`WGMMA_PERM`) puts each of the lane's four wgmma registers in two nibbles, t and t + 4 of the word.
     Per register, one lop3 masks them where they lie (bits 0-3 of each half: float16's exponent of 1024 makes 1024
@@ -423,34 +429,42 @@ def _f16_tile_wgmma(q, words, dd, part: int, subnormal: bool = False):
                     lop3.b32 u, $1, {mask:#010x}, {(xor & 0xFF) * 0x10001:#010x}, 0x6a;
                     fma.rn.f16x2 $0, u, s2, n2;"""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, row, row),
+    words = words if isinstance(words, tuple) else (words,)
+    groups = q.shape[1] // GROUP
+    if len(words) != (part + groups + 1) // 2:
+        raise ValueError(f"{groups} sub-blocks from part {part} take {(part + groups + 1) // 2} scale words")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, *[row] * len(words), row),
                        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
-    def convert(_, qf, wf, df):
+    def convert(_, qf, *wfs):
+        *wfs, df = wfs
         i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
 
-        out = np.empty(fa.WGMMA_LAYOUT.registers_shape(q.shape), dtype=object)  # [row tiles, 4 col tiles, 1, 1, 2, ..]
-        # row tile i, half h: a lane holds rows r and r + 8 of its warp's 16 in each tile of 64
-        for i, h in np.ndindex(q.shape[0] // ROWS, 2):
-            pairs = [_scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]), part)]
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape(q.shape), dtype=object)  # [row tiles, 4 g col tiles, 1, 1, 2,..]
+        # row tile i, half h: a lane holds rows r and r + 8 of its warp's 16 in each tile of 64; sub-block c
+        for i, h, c in np.ndindex(q.shape[0] // ROWS, 2, groups):
+            wf = wfs[(part + c) // 2]
+            pairs = [_scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]),
+                                  (part + c) % 2)]
             if subnormal:  # (S16, NM)
                 pairs.append(llvm.inline_asm(i32, pairs, f"{{ .reg .b32 k; mov.b32 k, {SUBNORMAL_PAIR:#010x}; "
                                                          "mul.rn.f16x2 $0, $1, k; }", "=r,r"))
-            word = mu.bitcast(qf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
-            words = (word, arith.shrui(word, mu.c(8, i32)))
+            word = mu.bitcast(qf.registers[i, c, 0, 0, h, 0, 0, 0, 0], i32)
+            halves = (word, arith.shrui(word, mu.c(8, i32)))
             for t in range(4):
                 declare = ".reg .b32 u, k; .reg .b16 ll, lh;" if subnormal else ".reg .b32 u, k;"
-                reg = llvm.inline_asm(i32, [words[t // 2], *pairs],
+                reg = llvm.inline_asm(i32, [halves[t // 2], *pairs],
                                       f"{{ {declare} {weights(t)} }}", "=r" + ",r" * (1 + len(pairs)))
-                out[i, t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
+                out[i, 4 * c + t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return convert(q, words, dd)
+    return convert(q, *words, dd)
 
 
-def _multiply(form: tuple, w_smem, x_smem, scales_smem, acc_ref) -> None:
-    """One pipeline step: the step's super-block of weights, converted 32 columns at a time, times x^T into acc;
-    `form` the weight's (order, nibbles, gain)."""
+def _multiply(form: tuple, cols: int, w_smem, x_smem, scales_smem, acc_ref) -> None:
+    """One pipeline step: the step's super-block of weights, converted and multiplied `cols` columns (one wgmma
+    call) at a time, times x^T into acc; `form` the weight's (order, nibbles, gain)."""
     order, nibbles, gain = form
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows, as wgmma's accumulator holds them
     tile = (functools.partial(_f16_tile_wgmma, subnormal=True) if nibbles == "subnormal" else
@@ -459,9 +473,11 @@ def _multiply(form: tuple, w_smem, x_smem, scales_smem, acc_ref) -> None:
                     if nibbles == "subnormal" else (GAIN_PAIR,))
     words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
     quants = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-    for j in range(SUB_BLOCKS):
-        cols = slice(j * GROUP, (j + 1) * GROUP)
-        plgpu.wgmma(acc_ref, tile(quants[:, cols], words[j // 2], dd, j % 2), x_smem.at[:, cols].T)
+    g = cols // GROUP  # sub-blocks a call
+    for j in range(0, SUB_BLOCKS, g):
+        part = slice(j * GROUP, (j + g) * GROUP)
+        word = words[j // 2] if g == 1 else tuple(words[j // 2:(j + g + 1) // 2])
+        plgpu.wgmma(acc_ref, tile(quants[:, part], word, dd, j % 2), x_smem.at[:, part].T)
         plgpu.wgmma_wait(1)
 
 
@@ -526,19 +542,24 @@ def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
     return t, jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "rows"))
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "rows", "cols"))
 def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES,
-            rows: int | None = None) -> jax.Array:
+            rows: int | None = None, cols: int | None = None) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
     per row tile of `rows` weight rows (one of ROWS_PER_PROGRAM; default ROWS) and K split (`splits`, default
-    `default_splits`), `stages` pipeline steps in flight. The quants become float16 weights by `_f16_tile_wgmma`
-    in the "wgmma" order, by `_f16_tile` in the natural one."""
+    `default_splits`), `stages` pipeline steps in flight, `cols` columns a wgmma call (one of WGMMA_COLS, default
+    COLS; more than 32 in the "wgmma" order only). The quants become float16 weights by `_f16_tile_wgmma` in the
+    "wgmma" order, by `_f16_tile` in the natural one."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
     form, unscale = (w.order, w.nibbles, w.gain), 2.0 ** (F16_SHIFT - w.gain)  # x enters times 2**-F16_SHIFT
     rows = rows or ROWS
     if rows not in ROWS_PER_PROGRAM or n % rows:
         raise ValueError(f"rows per program is one of {ROWS_PER_PROGRAM} and divides the weight's {n}, got {rows}")
-    out = grid_product((w.q, xt, w.scales), functools.partial(_multiply, form), m=m, t=t, n=n, rows=rows,
+    cols = cols or COLS
+    if cols not in WGMMA_COLS or (cols > GROUP and w.order != "wgmma"):
+        raise ValueError(f"columns a wgmma call is one of {WGMMA_COLS} (more than {GROUP} in the \"wgmma\" order "
+                         f"only), got {cols} for the {w.order!r} order")
+    out = grid_product((w.q, xt, w.scales), functools.partial(_multiply, form, cols), m=m, t=t, n=n, rows=rows,
                        blocks=k // QK_K, splits=splits, stages=stages, name="qmatmul_mgpu_q4_k")
     return out * unscale

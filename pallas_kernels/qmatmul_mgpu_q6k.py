@@ -33,7 +33,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax.quant import QK_K, QTensor, q6_k_quants
 from pallas_kernels.qmatmul import F16_SHIFT, f16_holds
-from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_PERM, _scalar,
+from pallas_kernels import qmatmul_mgpu
+from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_COLS, WGMMA_PERM, _scalar,
                                          _scale_pairs, _scaled_dd, f16_product, grid_product, x_tokens)
 
 SUB = 16  # columns of a Q6_K sub-block (one int8 scale): half a 32-column group, one wgmma of K = 16
@@ -177,10 +178,13 @@ def reference(x: jax.Array, w: MgpuQ6K) -> jax.Array:
     return f16_product(x, f16_weights(w), w.gain)
 
 
-def _f16_tile_q6k(lo, hi, words, d, group: int):
+def _f16_tile_q6k(lo, hi, words, d, group: int | None):
     """Group `group` (0, 1) of a 64-column chunk: its low nibbles lo [64 r, 32] int4 as loaded (WGMMA_UPCAST_4X), the
     chunk's high bits hi [64 r, 32] int4 as loaded, the rows' scale word of the chunk and (d, d) pair -> float16
-    [64 r, 32] in WGMMA layout, (q - 32) scale per row and sub-block (module docstring)."""
+    [64 r, 32] in WGMMA layout, (q - 32) scale per row and sub-block (module docstring). `group` None: whole chunks,
+    lo [64 r, 64 c] and hi [64 r, 32 c] of c chunks, `words` a tuple of their c scale words."""
+    words = words if isinstance(words, tuple) else (words,)
+    groups = (group,) if group is not None else (0, 1) * len(words)
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
@@ -188,25 +192,29 @@ def _f16_tile_q6k(lo, hi, words, d, group: int):
 
     wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA_UPCAST_4X, row, row),
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA_UPCAST_4X, *[row] * len(words),
+                                  row),
                        return_type=plgpu.ShapeDtypeStruct(lo.shape, jnp.float16, wgmma))
-    def convert(_, lf, hf, wf, df):
+    def convert(_, lf, hf, *wfs):
+        *wfs, df = wfs
         i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
 
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(lo.shape), dtype=object)
-        for i, h in np.ndindex(lo.shape[0] // ROWS, 2):
-            pair = _scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]), group,
-                                bias=SCALE_BIAS)
-            word = mu.bitcast(lf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
-            words = (word, arith.shrui(word, mu.c(8, i32)))
-            high = mu.bitcast(hf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
+        # row tile i, half h, 32-column tile c of lo: group groups[c] of chunk c // 2 (its word and its hi tile)
+        for i, h, c in np.ndindex(lo.shape[0] // ROWS, 2, len(groups)):
+            group, chunk = groups[c], c // 2
+            pair = _scale_pairs(_scalar(wfs[chunk].registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]),
+                                group, bias=SCALE_BIAS)
+            word = mu.bitcast(lf.registers[i, c, 0, 0, h, 0, 0, 0, 0], i32)
+            halves = (word, arith.shrui(word, mu.c(8, i32)))
+            high = mu.bitcast(hf.registers[i, chunk, 0, 0, h, 0, 0, 0, 0], i32)
             views = [arith.shli(high, mu.c(s, i32)) if s > 0 else arith.shrui(high, mu.c(-s, i32))
                      for s in HI_VIEWS[2 * group: 2 * group + 2]]
             for t in range(4):
                 mask, xor, _ = NIBBLE_FIELDS[t % 2]
                 reg = llvm.inline_asm(
-                    i32, [words[t // 2], views[t // 2], pair],
+                    i32, [halves[t // 2], views[t // 2], pair],
                     f"""{{
                     .reg .b32 u, k, s2;
                     .reg .b16 sl, sh;
@@ -219,25 +227,34 @@ def _f16_tile_q6k(lo, hi, words, d, group: int):
                     mul.rn.f16x2 $0, u, s2;
                     }}""",
                     "=r,r,r,r")
-                out[i, t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
+                out[i, 4 * c + t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return convert(lo, hi, words, d)
+    return convert(lo, hi, *words, d)
 
 
-def _multiply(lo_smem, x_smem, scales_smem, hi_smem, acc_ref) -> None:
-    """One pipeline step: the step's super-block of weights, converted 32 columns at a time, times x^T into acc."""
+def _multiply(cols: int, lo_smem, x_smem, scales_smem, hi_smem, acc_ref) -> None:
+    """One pipeline step: the step's super-block of weights, converted and multiplied `cols` columns (one wgmma
+    call) at a time, times x^T into acc."""
     row = plgpu.Layout.WGMMA.reduce(1)
     d = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row), GAIN_D)
     words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
     lo = plgpu.load(lo_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
     hi = plgpu.load(hi_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-    for chunk in range(QK_K // CHUNK):
-        for group in range(2):
-            cols = slice(chunk * CHUNK + group * GROUP, chunk * CHUNK + (group + 1) * GROUP)
-            a = _f16_tile_q6k(lo[:, cols], hi[:, chunk * GROUP: (chunk + 1) * GROUP], words[chunk], d, group)
-            plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].T)
-            plgpu.wgmma_wait(1)
+    if cols == GROUP:
+        for chunk in range(QK_K // CHUNK):
+            for group in range(2):
+                part = slice(chunk * CHUNK + group * GROUP, chunk * CHUNK + (group + 1) * GROUP)
+                a = _f16_tile_q6k(lo[:, part], hi[:, chunk * GROUP: (chunk + 1) * GROUP], words[chunk], d, group)
+                plgpu.wgmma(acc_ref, a, x_smem.at[:, part].T)
+                plgpu.wgmma_wait(1)
+        return
+    chunks = cols // CHUNK
+    for c in range(0, QK_K // CHUNK, chunks):
+        part = slice(c * CHUNK, (c + chunks) * CHUNK)
+        a = _f16_tile_q6k(lo[:, part], hi[:, c * GROUP: (c + chunks) * GROUP], tuple(words[c:c + chunks]), d, None)
+        plgpu.wgmma(acc_ref, a, x_smem.at[:, part].T)
+        plgpu.wgmma_wait(1)
 
 
 def _hi_spec(t: int, rows: int, at) -> plgpu.BlockSpec:
@@ -247,12 +264,16 @@ def _hi_spec(t: int, rows: int, at) -> plgpu.BlockSpec:
                            transforms=(plgpu.TilingTransform((8, QK_K // 2)), plgpu.SwizzleTransform(64)))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages"))
-def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int = STAGES) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "cols"))
+def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int = STAGES,
+            cols: int | None = None) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
     per 64 weight rows and K split (`splits`, default qmatmul_mgpu.default_splits; `grid_product`), `stages` steps in
-    flight."""
+    flight, `cols` columns a wgmma call (qmatmul_mgpu.WGMMA_COLS; default qmatmul_mgpu.COLS)."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
-    return grid_product((w.lo, xt, w.scales, w.hi), _multiply, m=m, t=t, n=n, rows=ROWS, blocks=k // QK_K,
+    cols = cols or qmatmul_mgpu.COLS
+    if cols not in WGMMA_COLS:
+        raise ValueError(f"columns a wgmma call is one of {WGMMA_COLS}, got {cols}")
+    return grid_product((w.lo, xt, w.scales, w.hi), functools.partial(_multiply, cols), m=m, t=t, n=n, rows=ROWS, blocks=k // QK_K,
                         splits=splits, stages=stages, name="qmatmul_mgpu_q6_k", extra_specs=(_hi_spec,))

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (copy_rate, environment, fit_verify_cost, parse_options, qmatmul_defaults,  # noqa: E402
                       set_qmatmul_defaults)
 
+from dflash_jax import kernels  # noqa: E402
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
@@ -342,9 +343,14 @@ def main() -> None:
                     help="how the Mosaic GPU layout orders each 32-column group's quants (qmatmul_mgpu.ORDER)")
     ap.add_argument("--mgpu_nibbles", choices=qmatmul_mgpu.NIBBLES, default=None,
                     help="how the Mosaic GPU kernel makes Q4_K weights of the nibbles (qmatmul_mgpu.NIBBLE)")
+    ap.add_argument("--mgpu_cols", type=int, choices=qmatmul_mgpu.WGMMA_COLS, default=None,
+                    help="columns of the weight a wgmma call of the Mosaic GPU kernels multiplies (qmatmul_mgpu.COLS)")
     ap.add_argument("--mgpu_formats", nargs="+", choices=("Q4_K", "Q6_K"), default=None,
                     help="the weight formats --mgpu packs for the Mosaic GPU kernels (qmatmul.MGPU_FORMATS; default "
                          "Q4_K Q6_K)")
+    ap.add_argument("--small_rows", type=int, default=None,
+                    help="quantized matrices of fewer rows go to XLA's product as float32 (kernels.SMALL_ROWS; 0: "
+                         "every one to the kernels)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):
@@ -359,15 +365,19 @@ def main() -> None:
     set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
                                                           ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu),
                                                           ("ORDER", args.mgpu_order), ("NIBBLE", args.mgpu_nibbles),
+                                                          ("COLS", args.mgpu_cols),
                                                           ("MGPU_FORMATS", args.mgpu_formats and
                                                            tuple(args.mgpu_formats)))
                            if value is not None})
     if args.one_token == "tensor_cores":
         qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)
+    small_rows = kernels.SMALL_ROWS
+    kernels.SMALL_ROWS = small_rows if args.small_rows is None else args.small_rows
     try:
         run(args)
     finally:
         set_qmatmul_defaults(shipped)
+        kernels.SMALL_ROWS = small_rows
 
 
 def run(args: argparse.Namespace) -> None:

@@ -15,8 +15,8 @@ variants, `--splits` the K split over 1, 2, 4 and 8 programs, `--variants` any q
 qmatmul_mgpu: the Mosaic GPU kernels on the 27B's Q4_K shapes (pallas_kernels/qmatmul_mgpu.py) and Q6_K ones
 (qmatmul_mgpu_q6k.py) at each `--m`, beside qmatmul on the same weights in the same run; its rate also counts GGUF
 bytes (its layouts read 2.8 % and 1 % more). `--variants` options apply to the Q4_K kernel here (e.g. `splits=2`,
-`stages=4`, `rows=128`; `order=natural` packs the quants in that order, `nibbles=subnormal` in that
-form).
+`stages=4`, `rows=128`, `cols=64`; `order=natural` packs the quants in that order, `nibbles=subnormal` in that
+form), and those of them the Q6_K kernel takes (`splits`, `stages`, `cols`) to it too.
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
@@ -162,7 +162,8 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
             continue
         qts, gguf_bytes = _copies(fmt, n, k)
         packed = {"qmatmul": [qm.pack(q) for q in qts]}  # and the Mosaic kernel's per (order, nibbles) when asked
-        mosaic = (mg.qmatmul, [dict(), *extra]) if fmt == "Q4_K" else (q6.qmatmul, [dict()])
+        mosaic = ((mg.qmatmul, [dict(), *extra]) if fmt == "Q4_K" else
+                  (q6.qmatmul, [dict(), *[o for o in extra if set(o) <= {"splits", "stages", "cols"}]]))
         kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": mosaic}
         exact_w = dequantize(qts[0])
         for m in ms:

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 # the module-level kernel choices and tiles of qmatmul (and of qmatmul_mgpu: ORDER, NIBBLE), which a
 # benchmark may change for one run
 QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
-                    "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "MGPU_FORMATS", "ORDER", "NIBBLE", "qmatmul")
+                    "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "MGPU_FORMATS", "ORDER", "NIBBLE", "COLS",
+                    "qmatmul")
 
 
 def _module_of(name: str):

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import environment, gpu_events  # noqa: E402
+from benchlib import environment, gpu_events, set_qmatmul_defaults  # noqa: E402
 
 
 def summarize(events: list[tuple[str, int, int]], steps: int, top: int = 15) -> dict:
@@ -72,7 +72,14 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=22)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt_len", type=int, default=512)
+    ap.add_argument("--top", type=int, default=15, help="kernel names listed per mode, longest first")
+    ap.add_argument("--mgpu", type=int, choices=(0, 1, 2), default=None,
+                    help="the Mosaic GPU layout as bench.py --mgpu sets it (qmatmul.MGPU_LAYOUT; default: unset)")
     args = ap.parse_args()
+    from pallas_kernels import qmatmul as qm
+
+    if args.mgpu is not None:
+        set_qmatmul_defaults({"MGPU_LAYOUT": qm.MGPU_LAYOUTS[args.mgpu]})
     target, draft, _ = bench.make_models(args.model, args.impl)
     prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.prompt_len).tolist()
     report = {**environment(), "model": args.model, "args": vars(args) | {"out": str(args.out)}, "modes": {}}
@@ -83,7 +90,7 @@ def main() -> None:
         tracer = StepTrace(trace_dir, steps=args.steps)
         engine.generate(prompt, 4 * args.steps + 8, bench.NO_STOPS, on_tokens=tracer)
         tracer.close()
-        report["modes"][mode] = summarize(gpu_events(trace_dir), tracer.traced_steps)
+        report["modes"][mode] = summarize(gpu_events(trace_dir), tracer.traced_steps, args.top)
         print(table({**report, "modes": {mode: report["modes"][mode]}}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -255,12 +255,25 @@ def test_bad_inputs_raise():
 
 def test_linear_splits_long_inputs_and_keeps_leading_axes():
     qt = weight("Q6_K", 24, 256)
-    pw = kernels.prepare_matrix(qt, "pallas")
+    pw = qm.pack(qt)
     x = jax.random.normal(jax.random.key(5), (2, 35, 256), jnp.float32)  # 70 rows: two calls of <= 64
     got = kernels.linear(x, pw)
     assert got.shape == (2, 35, 24)
     assert rel(got, kernels.linear(x.astype(jnp.bfloat16).astype(jnp.float32), qt)) < tiles_tol("Q6_K")
     assert kernels.prepare_matrix(qt, "reference") is qt
+
+
+def test_matrices_below_a_row_tile_stay_with_xla():
+    """With `pallas`, a quantized matrix of fewer than SMALL_ROWS rows is dequantized to float32 at load (XLA's
+    product), one of SMALL_ROWS or more packed for the kernels; `linear` gives the reference product either way."""
+    small, large = weight("Q4_K", kernels.SMALL_ROWS - 16, 256), weight("Q4_K", kernels.SMALL_ROWS, 256)
+    dense = kernels.prepare_matrix(small, "pallas")
+    assert isinstance(dense, jax.Array) and dense.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(dense), np.asarray(quant.dequantize(small)))
+    assert isinstance(kernels.prepare_matrix(large, "pallas"), qm.PackedWeight)
+    x = jax.random.normal(jax.random.key(6), (5, 256), jnp.float32)
+    np.testing.assert_allclose(np.asarray(kernels.linear(x, dense)), np.asarray(kernels.linear(x, small)),
+                               rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------

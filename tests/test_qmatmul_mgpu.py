@@ -142,6 +142,19 @@ def test_lowers_for_cuda_on_a_cpu(m, order):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("cols,nibbles", [(64, "magic"), (64, "subnormal"), (128, "magic")])
+def test_lowers_for_cuda_with_several_sub_blocks_a_wgmma(cols, nibbles):
+    """A wgmma call over 2 or 4 sub-blocks (each converted with its own scale word and part) lowers for CUDA; the
+    natural order, a width that is no whole number of sub-blocks and a whole super-block (NaN on an H100) are
+    refused."""
+    w = mg.pack(q4k(128, 1024), nibbles=nibbles)
+    x = jnp.zeros((23, 1024), jnp.float32)
+    assert "mosaic_gpu" in mg.qmatmul.trace(x, w, cols=cols).lower(lowering_platforms=("cuda",)).as_text()
+    for bad, order in ((64, "natural"), (48, "wgmma"), (256, "wgmma")):
+        with pytest.raises(ValueError, match="wgmma call"):
+            mg.qmatmul(x, mg.pack(q4k(128, 1024), order), cols=bad)
+
+
 def test_weights_are_rounded_once_to_float16():
     """The kernel's weights (q s - dmin m, the scale and min in float16) are the exact weights rounded once to
     float16, within float16's rounding of their scale and min, in either order."""
@@ -273,6 +286,16 @@ def test_kernel_options(splits, stages, rows, order):
     for m in (5, 40):
         x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
         assert rel(mg.qmatmul(x, w, splits=splits, stages=stages, rows=rows), mg.reference(x, w)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", mg.WGMMA_COLS[1:])
+@pytest.mark.parametrize("nibbles", mg.NIBBLES)
+def test_kernel_with_several_sub_blocks_a_wgmma(cols, nibbles):
+    w = mg.pack(q4k(1024, 5120, seed=3), nibbles=nibbles)
+    for m in (5, 23, 40):
+        x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
+        assert rel(mg.qmatmul(x, w, cols=cols), mg.reference(x, w)) < 1e-4
 
 
 @pytest.mark.gpu

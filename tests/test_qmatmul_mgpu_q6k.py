@@ -110,6 +110,16 @@ def test_lowers_for_cuda_on_a_cpu(m):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("cols", [64, 128])
+def test_lowers_for_cuda_with_several_groups_a_wgmma(cols):
+    w = q6.pack(q6k(128, 1024))
+    x = jnp.zeros((23, 1024), jnp.float32)
+    assert "mosaic_gpu" in q6.qmatmul.trace(x, w, cols=cols).lower(lowering_platforms=("cuda",)).as_text()
+    for bad in (48, 256):
+        with pytest.raises(ValueError, match="wgmma call"):
+            q6.qmatmul(x, w, cols=bad)
+
+
 Q6K_27B = [(5120, 17408), (10240, 5120), (1024, 5120)]  # ffn_down, attn_qkv, attn_v where Q4_K_M gives more bits
 
 
@@ -122,6 +132,18 @@ def test_kernel_at_27b_shapes(n, k, m):
     got = q6.qmatmul(x, w)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
     assert rel(got, q6.reference(x, w)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [64, 128])
+def test_kernel_with_several_groups_a_wgmma(cols):
+    w = q6.pack(q6k(1024, 5120, seed=3))
+    for m in (5, 23, 40):
+        x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
+        assert rel(q6.qmatmul(x, w, cols=cols), q6.reference(x, w)) < 1e-4
+    x = jnp.zeros((64, 5120), jnp.float32).at[np.arange(64), np.arange(64) * 80].set(2.0 ** qm.F16_SHIFT)
+    np.testing.assert_array_equal(np.asarray(q6.qmatmul(x, w, cols=cols)),
+                                  np.asarray(q6.f16_weights(w)[:, ::80].T.astype(jnp.float32)))
 
 
 @pytest.mark.gpu
