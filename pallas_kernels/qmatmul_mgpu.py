@@ -55,8 +55,9 @@ SUB_BLOCKS = QK_K // GROUP
 SCALE_WORDS = SUB_BLOCKS // 2 + 1  # 32-bit words per row and super-block of `MgpuQ4K.scales`
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 # columns of the weight one wgmma call multiplies (its fence, commit and wait), a sub-block or several. 64 and 128
-# were 0.96-1.08x as fast as 32 on an H100 (most near 1.01 at 23 tokens: scripts/results/qmatmul_mgpu_cols_h100.txt);
-# 256 (a whole super-block, 64 registers of A) gave NaN there and is not offered
+# were 0.96-1.08x as fast as 32 on an H100 (most near 1.01 at 23 tokens: scripts/results/qmatmul_mgpu_cols_h100.txt)
+# and 64 no faster a DDTree step (bench_27b_h100_cols_*.txt); 256 (a whole super-block, 64 registers of A) gave NaN
+# there and is not offered
 WGMMA_COLS = (32, 64, 128)
 COLS = 32
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
