@@ -32,8 +32,8 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax.quant import QK_K, QTensor, q6_k_quants
-from pallas_kernels.qmatmul import F16_SHIFT, f16_holds
 from pallas_kernels import qmatmul_mgpu
+from pallas_kernels.qmatmul import F16_SHIFT, f16_holds
 from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_COLS, WGMMA_PERM, _scalar,
                                          _scale_pairs, _scaled_dd, f16_product, grid_product, x_tokens)
 
@@ -178,13 +178,11 @@ def reference(x: jax.Array, w: MgpuQ6K) -> jax.Array:
     return f16_product(x, f16_weights(w), w.gain)
 
 
-def _f16_tile_q6k(lo, hi, words, d, group: int | None):
-    """Group `group` (0, 1) of a 64-column chunk: its low nibbles lo [64 r, 32] int4 as loaded (WGMMA_UPCAST_4X), the
-    chunk's high bits hi [64 r, 32] int4 as loaded, the rows' scale word of the chunk and (d, d) pair -> float16
-    [64 r, 32] in WGMMA layout, (q - 32) scale per row and sub-block (module docstring). `group` None: whole chunks,
-    lo [64 r, 64 c] and hi [64 r, 32 c] of c chunks, `words` a tuple of their c scale words."""
-    words = words if isinstance(words, tuple) else (words,)
-    groups = (group,) if group is not None else (0, 1) * len(words)
+def _f16_tile_q6k(lo, hi, words, d, group: int):
+    """g 32-column groups from group `group` (0, 1) of a 64-column chunk on: their low nibbles lo [64 r, 32 g] int4
+    as loaded (WGMMA_UPCAST_4X), their chunks' high bits hi [64 r, 32 c] int4 as loaded, the rows' scale words of
+    those c chunks (a tuple) and (d, d) pair -> float16 [64 r, 32 g] in WGMMA layout, (q - 32) scale per row and
+    sub-block (module docstring); group c of them is group (group + c) % 2 of chunk (group + c) // 2."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
@@ -201,16 +199,16 @@ def _f16_tile_q6k(lo, hi, words, d, group: int | None):
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
 
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(lo.shape), dtype=object)
-        # row tile i, half h, 32-column tile c of lo: group groups[c] of chunk c // 2 (its word and its hi tile)
-        for i, h, c in np.ndindex(lo.shape[0] // ROWS, 2, len(groups)):
-            group, chunk = groups[c], c // 2
+        # row tile i, half h, 32-column tile c of lo: its group of its chunk (the chunk's word and hi tile)
+        for i, h, c in np.ndindex(lo.shape[0] // ROWS, 2, lo.shape[1] // GROUP):
+            part, chunk = (group + c) % 2, (group + c) // 2
             pair = _scale_pairs(_scalar(wfs[chunk].registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]),
-                                group, bias=SCALE_BIAS)
+                                part, bias=SCALE_BIAS)
             word = mu.bitcast(lf.registers[i, c, 0, 0, h, 0, 0, 0, 0], i32)
             halves = (word, arith.shrui(word, mu.c(8, i32)))
             high = mu.bitcast(hf.registers[i, chunk, 0, 0, h, 0, 0, 0, 0], i32)
             views = [arith.shli(high, mu.c(s, i32)) if s > 0 else arith.shrui(high, mu.c(-s, i32))
-                     for s in HI_VIEWS[2 * group: 2 * group + 2]]
+                     for s in HI_VIEWS[2 * part: 2 * part + 2]]
             for t in range(4):
                 mask, xor, _ = NIBBLE_FIELDS[t % 2]
                 reg = llvm.inline_asm(
@@ -241,18 +239,11 @@ def _multiply(cols: int, lo_smem, x_smem, scales_smem, hi_smem, acc_ref) -> None
     words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
     lo = plgpu.load(lo_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
     hi = plgpu.load(hi_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-    if cols == GROUP:
-        for chunk in range(QK_K // CHUNK):
-            for group in range(2):
-                part = slice(chunk * CHUNK + group * GROUP, chunk * CHUNK + (group + 1) * GROUP)
-                a = _f16_tile_q6k(lo[:, part], hi[:, chunk * GROUP: (chunk + 1) * GROUP], words[chunk], d, group)
-                plgpu.wgmma(acc_ref, a, x_smem.at[:, part].T)
-                plgpu.wgmma_wait(1)
-        return
-    chunks = cols // CHUNK
-    for c in range(0, QK_K // CHUNK, chunks):
-        part = slice(c * CHUNK, (c + chunks) * CHUNK)
-        a = _f16_tile_q6k(lo[:, part], hi[:, c * GROUP: (c + chunks) * GROUP], tuple(words[c:c + chunks]), d, None)
+    g = cols // GROUP  # groups a call
+    for j in range(0, QK_K // GROUP, g):
+        first, end = j // 2, (j + g + 1) // 2  # the chunks these groups lie in
+        part = slice(j * GROUP, (j + g) * GROUP)
+        a = _f16_tile_q6k(lo[:, part], hi[:, first * GROUP: end * GROUP], tuple(words[first:end]), d, j % 2)
         plgpu.wgmma(acc_ref, a, x_smem.at[:, part].T)
         plgpu.wgmma_wait(1)
 
@@ -275,5 +266,6 @@ def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int 
     cols = cols or qmatmul_mgpu.COLS
     if cols not in WGMMA_COLS:
         raise ValueError(f"columns a wgmma call is one of {WGMMA_COLS}, got {cols}")
-    return grid_product((w.lo, xt, w.scales, w.hi), functools.partial(_multiply, cols), m=m, t=t, n=n, rows=ROWS, blocks=k // QK_K,
-                        splits=splits, stages=stages, name="qmatmul_mgpu_q6_k", extra_specs=(_hi_spec,))
+    return grid_product((w.lo, xt, w.scales, w.hi), functools.partial(_multiply, cols), m=m, t=t, n=n, rows=ROWS,
+                        blocks=k // QK_K, splits=splits, stages=stages, name="qmatmul_mgpu_q6_k",
+                        extra_specs=(_hi_spec,))

@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (copy_rate, environment, fit_verify_cost, parse_options, qmatmul_defaults,  # noqa: E402
                       set_qmatmul_defaults)
 
-from dflash_jax import kernels  # noqa: E402
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
@@ -365,19 +364,16 @@ def main() -> None:
     set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
                                                           ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu),
                                                           ("ORDER", args.mgpu_order), ("NIBBLE", args.mgpu_nibbles),
-                                                          ("COLS", args.mgpu_cols),
+                                                          ("COLS", args.mgpu_cols), ("SMALL_ROWS", args.small_rows),
                                                           ("MGPU_FORMATS", args.mgpu_formats and
                                                            tuple(args.mgpu_formats)))
                            if value is not None})
     if args.one_token == "tensor_cores":
         qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)
-    small_rows = kernels.SMALL_ROWS
-    kernels.SMALL_ROWS = small_rows if args.small_rows is None else args.small_rows
     try:
         run(args)
     finally:
         set_qmatmul_defaults(shipped)
-        kernels.SMALL_ROWS = small_rows
 
 
 def run(args: argparse.Namespace) -> None:

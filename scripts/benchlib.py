@@ -17,19 +17,20 @@ import jax
 import jax.numpy as jnp
 
 
-# the module-level kernel choices and tiles of qmatmul (and of qmatmul_mgpu: ORDER, NIBBLE), which a
-# benchmark may change for one run
+# the module-level kernel choices and tiles of qmatmul (and of qmatmul_mgpu: ORDER, NIBBLE, COLS; of dflash_jax.kernels:
+# SMALL_ROWS), which a benchmark may change for one run
 QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
                     "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "MGPU_FORMATS", "ORDER", "NIBBLE", "COLS",
-                    "qmatmul")
+                    "SMALL_ROWS", "qmatmul")
 
 
 def _module_of(name: str):
-    """The kernel module that holds default `name`: qmatmul, else qmatmul_mgpu."""
+    """The module that holds default `name`: qmatmul, qmatmul_mgpu or dflash_jax.kernels."""
+    from dflash_jax import kernels
     from pallas_kernels import qmatmul as qm
     from pallas_kernels import qmatmul_mgpu as mg
 
-    return qm if hasattr(qm, name) else mg
+    return next(module for module in (qm, mg, kernels) if hasattr(module, name))
 
 
 def qmatmul_defaults() -> dict:
