@@ -1,11 +1,18 @@
 """Shared test setup: fixture paths, the `gpu` marker, CPU-only JAX unless a GPU run is asked for."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
+import jax
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must not look for hub kernels: no network here or in CI
+# The tests draw random inputs of many distinct shapes, and jax compiles its default generator (threefry) anew for
+# each shape: about half a second on a CPU, a quarter of the suite's compile time. The RBG generator compiles in
+# a fraction of that; its keys work everywhere the default ones do (the CLI commands the tests start keep theirs).
+jax.config.update("jax_default_prng_impl", "unsafe_rbg")
 
 ROOT = Path(__file__).resolve().parents[1]
 # The reference fixtures live in ../shared/fixtures beside the checkout; a GPU run carries a copy in .fixtures/.
@@ -14,6 +21,18 @@ if not FIXTURES.exists() and (ROOT / ".fixtures").exists():
     FIXTURES = ROOT / ".fixtures"
 TINY = FIXTURES / "tiny-qwen35"
 TINY_GGUF = TINY / "model-q4_k_m.gguf"
+
+
+def pytest_configure(config):
+    # One persistent compilation cache for the whole run: the xdist workers (started by this, the controller, with
+    # its environment), the tests in them and the commands they start. Many tests build an engine anew, whose jitted
+    # functions then compile programs another test compiled already; keyed by the program, the cache shares compile
+    # time, not results.
+    if not hasattr(config, "workerinput"):
+        os.environ["DFLASH_TEST_JIT_CACHE"] = tempfile.mkdtemp(prefix="dflash-test-jit-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("DFLASH_TEST_JIT_CACHE"), ignore_errors=True))
+    jax.config.update("jax_compilation_cache_dir", os.environ["DFLASH_TEST_JIT_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,10 +50,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def jit_cache(tmp_path_factory) -> str:
-    """One persistent compilation cache for every command a test runs in a subprocess: what one command compiled,
-    the next one loads (the cache is keyed by the program, so this shares time, not results)."""
-    return str(tmp_path_factory.mktemp("jit"))
+def jit_cache() -> str:
+    """The run's persistent compilation cache (`pytest_configure`), for the commands a test starts."""
+    return os.environ["DFLASH_TEST_JIT_CACHE"]
 
 
 @pytest.fixture(scope="session")

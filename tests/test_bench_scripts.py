@@ -152,7 +152,10 @@ def test_bench_kernels_qmatmul_section_on_a_small_matrix(tmp_path, monkeypatch, 
         ("qmatmul", 1, None, 2, 16), ("xla_dequant_dot", 1, None, None, None), ("qmatmul", 3, None, None, None),
         ("qmatmul", 3, None, 1, None), ("xla_dequant_dot", 3, None, None, None)]
     assert all(r["us"] > 0 and r["ratio"] == pytest.approx(r["gguf_bytes"] / r["us"] * 1e6 / 1e10) for r in rows)
-    assert all(r["rel_err"] < 4e-3 for r in rows if r["kernel"] == "qmatmul")
+    # one token takes the int8-activation GEMV (x rounded to int8: within 1e-2 of the float product, as
+    # tests/test_gemv_int8.py bounds it), the tensor cores bf16 tiles
+    assert all(r["rel_err"] < (1e-2 if r["m"] == 1 and r.get("gemv") is not False else 4e-3)
+               for r in rows if r["kernel"] == "qmatmul")
     assert not any("kernel_us" in r for r in rows)
     printed = capsys.readouterr().out
     assert "small        Q4_K      40    512" in printed and "M=1 TC" in printed

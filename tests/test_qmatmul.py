@@ -67,12 +67,17 @@ CASES = [("Q4_K", 6, 256, 1), ("Q4_K", 40, 768, 17), ("Q5_K", 40, 512, 3), ("Q6_
 
 @pytest.mark.parametrize("fmt,n,k,m", CASES)
 def test_kernel_matches_reference(fmt, n, k, m):
-    """Unwritten outputs would be NaN (interpret mode fills fresh buffers with NaN), inputs are random."""
+    """Unwritten outputs would be NaN (interpret mode fills fresh buffers with NaN), inputs are random. One token of
+    Q4_K/Q6_K takes the int8-activation GEMV, checked against its own reference (x rounded to int8 moves the float
+    product by up to ~1.5 % on so few outputs; tests/test_gemv_int8.py bounds that)."""
     pw = qm.pack(weight(fmt, n, k, seed=n + k))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     got = qm.qmatmul(x, pw, interpret=not ON_GPU)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
-    assert rel(got, qm.qmatmul_reference(x, pw)) < tiles_tol(fmt)
+    if qm.int8_x_mode(qm.INT8_X, m == 1, fmt):
+        assert rel(got, gemv_int8_reference(x, pw)) < 1e-5
+    else:
+        assert rel(got, qm.qmatmul_reference(x, pw)) < tiles_tol(fmt)
 
 
 @pytest.mark.parametrize("fmt,n,k", [("Q4_K", 6, 512), ("Q5_K", 40, 512), ("Q6_K", 17, 1024), ("Q8_0", 33, 128),

@@ -25,7 +25,7 @@ from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
 from dflash_jax.models.target import params_from_tensors
 from dflash_jax.quant import QTensor, dequantize
 from dflash_jax.testing.gguf_writer import q4_k_m_rule
-from dflash_jax.testing.random_weights import random_qtensor
+from dflash_jax.testing.random_weights import random_normal, random_qtensor, random_uniform
 from dflash_jax.testing.tiny import CONFIG_DIR
 
 TARGET_27B = os.path.join(CONFIG_DIR, "qwen3.5-27b.json")
@@ -35,7 +35,7 @@ DRAFT_27B = os.path.join(CONFIG_DIR, "qwen3.5-27b-dflash.json")
 def _unit_std(fmt: str, k: int) -> float:
     """Std of a dequantized random_qtensor with unit-scale float fields (a 256-row sample)."""
     sample = random_qtensor(jax.random.key(12345), fmt, (256, k), scale=1.0)
-    return float(jnp.std(dequantize(sample)))
+    return float(jax.jit(lambda qt: jnp.std(dequantize(qt)))(sample))
 
 
 def random_matrix(key: jax.Array, fmt: str, shape: tuple[int, int], std_cache: dict | None = None) -> QTensor:
@@ -48,10 +48,10 @@ def random_matrix(key: jax.Array, fmt: str, shape: tuple[int, int], std_cache: d
 
 def _dense(key: jax.Array, name: str, shape: tuple[int, ...]) -> jax.Array:
     if name.endswith("ssm_a"):
-        return -jnp.exp(jax.random.uniform(key, shape, jnp.float32, -1.0, 1.5))
+        return -jnp.exp(random_uniform(key, shape, -1.0, 1.5))
     if name.endswith("norm.weight"):
-        return 1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)
-    return 0.5 * jax.random.normal(key, shape, jnp.float32)  # conv kernel, dt bias
+        return random_normal(key, shape, 1.0, 0.1)
+    return random_normal(key, shape, 0.0, 0.5)  # conv kernel, dt bias
 
 
 def synthetic_target(cfg: TargetConfig, *, impl: str = "auto", seed: int = 0,
@@ -90,9 +90,9 @@ def synthetic_draft(cfg: DraftConfig, *, impl: str = "auto", seed: int = 1) -> D
     for i, (name, shape) in enumerate(draft_tensor_shapes(cfg).items()):
         sub = jax.random.fold_in(key, i)
         if len(shape) == 1:
-            tensors[name] = 1.0 + 0.1 * jax.random.normal(sub, shape, jnp.float32)
+            tensors[name] = random_normal(sub, shape, 1.0, 0.1)
         else:
-            w = jax.random.normal(sub, shape, jnp.float32) / math.sqrt(shape[1])
+            w = random_normal(sub, shape, 0.0, 1.0 / math.sqrt(shape[1]))
             tensors[name] = QTensor({"w": w.astype(jnp.bfloat16)}, "BF16", shape)
     return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), impl), f"synthetic seed {seed}")
 
