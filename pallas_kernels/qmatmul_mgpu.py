@@ -60,6 +60,11 @@ M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
 # there and is not offered
 WGMMA_COLS = (32, 64, 128)
 COLS = 32
+# How the K splits' partial products become one: "xla" writes each to its own [N, tokens] slice and XLA adds them
+# (deterministic); "tma_add" adds each into one zeroed buffer by TMA reduce-stores, in the order they finish, so the
+# float32 sum's rounding can change from run to run (scripts/mgpu_split_sum_probe.py).
+SPLIT_SUMS = ("xla", "tma_add")
+SPLIT_SUM = "xla"
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
 ORDERS = ("wgmma", "natural")  # how `pack` orders the quants of each 32-column group (`MgpuQ4K.order`)
 ORDER = "wgmma"
@@ -492,10 +497,10 @@ def _specs(t: int, rows: int, at) -> list:
             plgpu.BlockSpec((SCALE_WORDS, rows), lambda i: at(i)[::-1], delay_release=1)]
 
 
-def _body(t: int, rows: int, steps: int, stages: int, multiply, extra_specs: tuple, *refs):
+def _body(t: int, rows: int, steps: int, stages: int, multiply, extra_specs: tuple, split_sum: str, *refs):
     """The "grid" schedule: a program per (row tile, K split), `steps` super-blocks each. `refs`: the quants, x and
-    scales in GMEM, any further inputs (`extra_specs`), the output, its SMEM tile; `multiply(*input_smem, acc_ref)`
-    one step."""
+    scales in GMEM, any further inputs (`extra_specs`), the output (`split_sum`'s), its SMEM tile;
+    `multiply(*input_smem, acc_ref)` one step."""
     *gmem, o_gmem, o_smem = refs
     ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
     at = lambda i: (ni, si * steps + i)  # noqa: E731
@@ -508,27 +513,38 @@ def _body(t: int, rows: int, steps: int, stages: int, multiply, extra_specs: tup
 
     o_smem[...] = pl.run_scoped(compute, plgpu.ACC((rows, t), jnp.float32))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * rows, rows)])
+    if split_sum == "tma_add":
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(ni * rows, rows)], reduction_op="add")
+    else:
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * rows, rows)])
     plgpu.wait_smem_to_gmem(0)
 
 
 def grid_product(inputs: tuple, multiply, *, m: int, t: int, n: int, rows: int, blocks: int, splits: int | None,
-                 stages: int, name: str, extra_specs: tuple = ()) -> jax.Array:
+                 stages: int, name: str, extra_specs: tuple = (), split_sum: str | None = None) -> jax.Array:
     """The "grid" schedule's kernel (`_body`) on `inputs` (quants, x^T's operand of t >= m tokens, scales, then the
     inputs of `extra_specs`, each (t, rows, at) -> its BlockSpec): the product [m, N] float32, a program per row
     tile of `rows` and K split, `splits` (default `default_splits`) dividing the weight's `blocks` super-blocks, its
-    partial products added by XLA."""
+    partial products added as `split_sum` (one of SPLIT_SUMS, default SPLIT_SUM) says."""
     splits = splits or default_splits(n, blocks * QK_K, rows=rows)
     if blocks % splits:
         raise ValueError(f"{blocks} super-blocks do not split {splits} ways")
-    out = plgpu.kernel(
-        functools.partial(_body, t, rows, blocks // splits, stages, multiply, tuple(extra_specs)),
-        out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
-        grid=(n // rows, splits), grid_names=("n", "k"),
-        scratch_types=[plgpu.SMEM((rows, t), jnp.float32)],
-        kernel_name=name,
-    )(*inputs)
-    return sum_splits(out, n, m).T  # out is [splits, N, tokens]
+    split_sum = split_sum or SPLIT_SUM
+    if split_sum not in SPLIT_SUMS:
+        raise ValueError(f"split_sum is one of {SPLIT_SUMS}, got {split_sum!r}")
+    body = functools.partial(_body, t, rows, blocks // splits, stages, multiply, tuple(extra_specs), split_sum)
+    if split_sum == "xla":
+        out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
+                           grid=(n // rows, splits), grid_names=("n", "k"),
+                           scratch_types=[plgpu.SMEM((rows, t), jnp.float32)], kernel_name=name)(*inputs)
+        return sum_splits(out, n, m).T  # out is [splits, N, tokens]
+    # The kernel adds into a zeroed buffer passed as a mutable reference (plgpu.kernel's batching wrapper takes no
+    # reference operands, pl.kernel does).
+    total = jax.new_ref(jnp.zeros((n, t), jnp.float32))
+    mesh = plgpu.Mesh(grid=(n // rows, splits), grid_names=("n", "k"), kernel_name=name)
+    pl.kernel(lambda *refs: pl.run_scoped(functools.partial(body, *refs), plgpu.SMEM((rows, t), jnp.float32)),
+              out_type=(), mesh=mesh)(*inputs, total)
+    return total[...][:, :m].T
 
 
 def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
@@ -543,13 +559,14 @@ def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
     return t, jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "rows", "cols"))
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "rows", "cols", "split_sum"))
 def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES,
-            rows: int | None = None, cols: int | None = None) -> jax.Array:
+            rows: int | None = None, cols: int | None = None, split_sum: str | None = None) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
     per row tile of `rows` weight rows (one of ROWS_PER_PROGRAM; default ROWS) and K split (`splits`, default
     `default_splits`), `stages` pipeline steps in flight, `cols` columns a wgmma call (one of WGMMA_COLS, default
-    COLS; more than 32 in the "wgmma" order only). The quants become float16 weights by `_f16_tile_wgmma` in the
+    COLS; more than 32 in the "wgmma" order only), the splits' sums made as `split_sum` says (SPLIT_SUMS, default
+    SPLIT_SUM). The quants become float16 weights by `_f16_tile_wgmma` in the
     "wgmma" order, by `_f16_tile` in the natural one."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
@@ -562,5 +579,6 @@ def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int 
         raise ValueError(f"columns a wgmma call is one of {WGMMA_COLS} (more than {GROUP} in the \"wgmma\" order "
                          f"only), got {cols} for the {w.order!r} order")
     out = grid_product((w.q, xt, w.scales), functools.partial(_multiply, form, cols), m=m, t=t, n=n, rows=rows,
-                       blocks=k // QK_K, splits=splits, stages=stages, name="qmatmul_mgpu_q4_k")
+                       blocks=k // QK_K, splits=splits, stages=stages, name="qmatmul_mgpu_q4_k",
+                       split_sum=split_sum)
     return out * unscale

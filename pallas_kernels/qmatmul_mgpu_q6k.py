@@ -255,12 +255,13 @@ def _hi_spec(t: int, rows: int, at) -> plgpu.BlockSpec:
                            transforms=(plgpu.TilingTransform((8, QK_K // 2)), plgpu.SwizzleTransform(64)))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "cols"))
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "cols", "split_sum"))
 def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int = STAGES,
-            cols: int | None = None) -> jax.Array:
+            cols: int | None = None, split_sum: str | None = None) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
     per 64 weight rows and K split (`splits`, default qmatmul_mgpu.default_splits; `grid_product`), `stages` steps in
-    flight, `cols` columns a wgmma call (qmatmul_mgpu.WGMMA_COLS; default qmatmul_mgpu.COLS)."""
+    flight, `cols` columns a wgmma call (qmatmul_mgpu.WGMMA_COLS; default qmatmul_mgpu.COLS), the splits' sums
+    made as `split_sum` says (qmatmul_mgpu.SPLIT_SUMS)."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
     cols = cols or qmatmul_mgpu.COLS
@@ -268,4 +269,4 @@ def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int 
         raise ValueError(f"columns a wgmma call is one of {WGMMA_COLS}, got {cols}")
     return grid_product((w.lo, xt, w.scales, w.hi), functools.partial(_multiply, cols), m=m, t=t, n=n, rows=ROWS,
                         blocks=k // QK_K, splits=splits, stages=stages, name="qmatmul_mgpu_q6_k",
-                        extra_specs=(_hi_spec,))
+                        extra_specs=(_hi_spec,), split_sum=split_sum)

@@ -344,6 +344,9 @@ def main() -> None:
                     help="how the Mosaic GPU kernel makes Q4_K weights of the nibbles (qmatmul_mgpu.NIBBLE)")
     ap.add_argument("--mgpu_cols", type=int, choices=qmatmul_mgpu.WGMMA_COLS, default=None,
                     help="columns of the weight a wgmma call of the Mosaic GPU kernels multiplies (qmatmul_mgpu.COLS)")
+    ap.add_argument("--mgpu_split_sum", choices=qmatmul_mgpu.SPLIT_SUMS, default=None,
+                    help="how the Mosaic GPU kernels' K splits are added (qmatmul_mgpu.SPLIT_SUM; tma_add is not "
+                         "deterministic)")
     ap.add_argument("--mgpu_formats", nargs="+", choices=("Q4_K", "Q6_K"), default=None,
                     help="the weight formats --mgpu packs for the Mosaic GPU kernels (qmatmul.MGPU_FORMATS; default "
                          "Q4_K Q6_K)")
@@ -365,6 +368,7 @@ def main() -> None:
                                                           ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu),
                                                           ("ORDER", args.mgpu_order), ("NIBBLE", args.mgpu_nibbles),
                                                           ("COLS", args.mgpu_cols), ("SMALL_ROWS", args.small_rows),
+                                                          ("SPLIT_SUM", args.mgpu_split_sum),
                                                           ("MGPU_FORMATS", args.mgpu_formats and
                                                            tuple(args.mgpu_formats)))
                            if value is not None})

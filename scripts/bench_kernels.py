@@ -163,7 +163,7 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
         qts, gguf_bytes = _copies(fmt, n, k)
         packed = {"qmatmul": [qm.pack(q) for q in qts]}  # and the Mosaic kernel's per (order, nibbles) when asked
         mosaic = ((mg.qmatmul, [dict(), *extra]) if fmt == "Q4_K" else
-                  (q6.qmatmul, [dict(), *[o for o in extra if set(o) <= {"splits", "stages", "cols"}]]))
+                  (q6.qmatmul, [dict(), *[o for o in extra if set(o) <= {"splits", "stages", "cols", "split_sum"}]]))
         kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": mosaic}
         exact_w = dequantize(qts[0])
         for m in ms:
@@ -181,14 +181,18 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
                         call = {key: v for key, v in opts.items() if key not in ("order", "nibbles")}
                     run = jax.jit(lambda x, ws, fn=fn, o=call: [fn(x, w, **o) for w in ws])
                     try:
-                        err = float(jnp.linalg.norm(run(x, weights[:1])[0] - exact) / jnp.linalg.norm(exact))
+                        first = run(x, weights[:1])[0]
                     except ValueError as e:  # an option this shape cannot take (a split that does not divide K)
                         print(f"  {name} {fmt} M={m} {opts}: {e}", flush=True)
                         continue
+                    err = float(jnp.linalg.norm(first - exact) / jnp.linalg.norm(exact))
+                    # bit for bit the same product on 8 more calls (the K splits' sum in a fixed order)
+                    same = all(bool(jnp.array_equal(run(x, weights[:1])[0], first)) for _ in range(8))
                     times = _times(run, x, weights, gguf_bytes, copy)
                     rows.append(dict(kernel=kernel, matrix=name, fmt=fmt, n=n, k=k, m=m, **opts, rel_err=err,
-                                     **times))
-                    print(_line(name, fmt, m, f"{kernel} {opts or ''}", times) + f"  err {err:.1e}", flush=True)
+                                     repeatable=same, **times))
+                    print(_line(name, fmt, m, f"{kernel} {opts or ''}", times) + f"  err {err:.1e}"
+                          + ("" if same else "  (not repeatable)"), flush=True)
         del qts, packed
     return rows
 

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 
 
-# the module-level kernel choices and tiles of qmatmul (and of qmatmul_mgpu: ORDER, NIBBLE, COLS; of dflash_jax.kernels:
+# the module-level kernel choices and tiles of qmatmul (and of qmatmul_mgpu: ORDER, NIBBLE, COLS, SPLIT_SUM; of dflash_jax.kernels:
 # SMALL_ROWS), which a benchmark may change for one run
 QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
                     "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "MGPU_FORMATS", "ORDER", "NIBBLE", "COLS",
-                    "SMALL_ROWS", "qmatmul")
+                    "SPLIT_SUM", "SMALL_ROWS", "qmatmul")
 
 
 def _module_of(name: str):

@@ -81,21 +81,22 @@ def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
 
 
 def test_bench_mgpu_switches_last_one_run(tmp_path, monkeypatch):
-    """--mgpu 2 --mgpu_formats Q4_K --mgpu_nibbles subnormal --mgpu_cols 64 --small_rows 0 packs Q4_K alone for the
-    Mosaic GPU kernel, in its layout alone and with its nibbles in that form, 64 columns a wgmma call, every
-    quantized matrix on the kernels, during the run, and only then."""
+    """--mgpu 2 --mgpu_formats Q4_K --mgpu_nibbles subnormal --mgpu_cols 64 --mgpu_split_sum tma_add --small_rows 0
+    packs Q4_K alone for the Mosaic GPU kernel, in its layout alone and with its nibbles in that form, 64 columns a
+    wgmma call, the K splits added by TMA, every quantized matrix on the kernels, during the run, and only then."""
     import bench
     from dflash_jax import kernels
     from pallas_kernels import qmatmul as qm
     from pallas_kernels import qmatmul_mgpu as mg
 
-    state = lambda: (qm.MGPU_LAYOUT, qm.MGPU_FORMATS, mg.NIBBLE, mg.COLS, kernels.SMALL_ROWS)  # noqa: E731
+    state = lambda: (qm.MGPU_LAYOUT, qm.MGPU_FORMATS, mg.NIBBLE, mg.COLS, mg.SPLIT_SUM, kernels.SMALL_ROWS)  # noqa
     shipped, seen = state(), []
     monkeypatch.setattr(bench, "run", lambda args: seen.append(state()))
     run_script(bench, ["--out", str(tmp_path / "x.json"), "--mgpu", "2", "--mgpu_formats", "Q4_K",
-                       "--mgpu_nibbles", "subnormal", "--mgpu_cols", "64", "--small_rows", "0"])
-    assert seen == [("only", ("Q4_K",), "subnormal", 64, 0)]
-    assert state() == shipped == (False, ("Q4_K", "Q6_K"), "magic", 32, 64)
+                       "--mgpu_nibbles", "subnormal", "--mgpu_cols", "64", "--mgpu_split_sum", "tma_add",
+                       "--small_rows", "0"])
+    assert seen == [("only", ("Q4_K",), "subnormal", 64, "tma_add", 0)]
+    assert state() == shipped == (False, ("Q4_K", "Q6_K"), "magic", 32, "xla", 64)
 
 
 def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):

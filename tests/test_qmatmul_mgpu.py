@@ -155,6 +155,18 @@ def test_lowers_for_cuda_with_several_sub_blocks_a_wgmma(cols, nibbles):
             mg.qmatmul(x, mg.pack(q4k(128, 1024), order), cols=bad)
 
 
+def test_split_sums_by_tma_lower_for_cuda_on_a_cpu():
+    """The K splits added by TMA reduce-stores into one zeroed buffer (split_sum="tma_add") lower for CUDA, with no
+    [splits, N, tokens] output; an unknown way is refused."""
+    w = mg.pack(q4k(128, 1024))
+    x = jnp.zeros((23, 1024), jnp.float32)
+    text = mg.qmatmul.trace(x, w, split_sum="tma_add").lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "tensor<4x128x24xf32>" not in text
+    assert "tensor<4x128x24xf32>" in mg.qmatmul.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="split_sum"):
+        mg.qmatmul(x, w, split_sum="atomic")
+
+
 def test_weights_are_rounded_once_to_float16():
     """The kernel's weights (q s - dmin m, the scale and min in float16) are the exact weights rounded once to
     float16, within float16's rounding of their scale and min, in either order."""
@@ -296,6 +308,17 @@ def test_kernel_with_several_sub_blocks_a_wgmma(cols, nibbles):
     for m in (5, 23, 40):
         x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
         assert rel(mg.qmatmul(x, w, cols=cols), mg.reference(x, w)) < 1e-4
+
+
+@pytest.mark.gpu
+def test_split_sums_by_tma_at_a_27b_shape():
+    """split_sum="tma_add" at ffn_gate's shape: the reference's product, within float32 rounding of the order in
+    which the four splits land."""
+    w = mg.pack(q4k(17408, 5120, seed=7))
+    for m in (5, 23):
+        x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
+        got = mg.qmatmul(x, w, split_sum="tma_add")
+        assert rel(got, mg.reference(x, w)) < 1e-4 and rel(got, mg.qmatmul(x, w)) < 1e-6
 
 
 @pytest.mark.gpu

@@ -120,6 +120,13 @@ def test_lowers_for_cuda_with_several_groups_a_wgmma(cols):
             q6.qmatmul(x, w, cols=bad)
 
 
+def test_split_sums_by_tma_lower_for_cuda_on_a_cpu():
+    w = q6.pack(q6k(128, 1024))
+    text = q6.qmatmul.trace(jnp.zeros((23, 1024), jnp.float32), w, split_sum="tma_add").lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 Q6K_27B = [(5120, 17408), (10240, 5120), (1024, 5120)]  # ffn_down, attn_qkv, attn_v where Q4_K_M gives more bits
 
 
@@ -144,6 +151,14 @@ def test_kernel_with_several_groups_a_wgmma(cols):
     x = jnp.zeros((64, 5120), jnp.float32).at[np.arange(64), np.arange(64) * 80].set(2.0 ** qm.F16_SHIFT)
     np.testing.assert_array_equal(np.asarray(q6.qmatmul(x, w, cols=cols)),
                                   np.asarray(q6.f16_weights(w)[:, ::80].T.astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+def test_split_sums_by_tma_at_a_27b_shape():
+    w = q6.pack(q6k(5120, 17408, seed=7))
+    x = jax.random.normal(jax.random.key(23), (23, 17408), jnp.float32)
+    got = q6.qmatmul(x, w, split_sum="tma_add")
+    assert rel(got, q6.reference(x, w)) < 1e-4 and rel(got, q6.qmatmul(x, w)) < 1e-6
 
 
 @pytest.mark.gpu
