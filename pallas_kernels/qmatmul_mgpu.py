@@ -62,7 +62,8 @@ WGMMA_COLS = (32, 64, 128)
 COLS = 32
 # How the K splits' partial products become one: "xla" writes each to its own [N, tokens] slice and XLA adds them
 # (deterministic); "tma_add" adds each into one zeroed buffer by TMA reduce-stores, in the order they finish, so the
-# float32 sum's rounding can change from run to run (scripts/mgpu_split_sum_probe.py).
+# float32 sum's rounding can change from run to run. "tma_add" took 1.04-1.10x less GPU time a product at 23 tokens
+# on an H100 (scripts/results/qmatmul_mgpu_split_sum_h100.txt) but a slower DDTree step (bench_27b_h100_split_sum_*).
 SPLIT_SUMS = ("xla", "tma_add")
 SPLIT_SUM = "xla"
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)

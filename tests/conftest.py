@@ -10,7 +10,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must not look for hub kernels: no network here or in CI
 # The tests draw random inputs of many distinct shapes, and jax compiles its default generator (threefry) anew for
-# each shape: about half a second on a CPU, a quarter of the suite's compile time. The RBG generator compiles in
+# each shape: about half a second on a CPU, over a fifth of the suite's compile time. The RBG generator compiles in
 # a fraction of that; its keys work everywhere the default ones do (the CLI commands the tests start keep theirs).
 jax.config.update("jax_default_prng_impl", "unsafe_rbg")
 
@@ -36,8 +36,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import jax
-
     if jax.default_backend() == "gpu":
         # The references are float32 oracles checked to 1e-4: GPUs default to TF32 matmuls, which alone move the
         # fixture's logits by ~1e-3 (seen on an H100, jax 0.11.2), so tests ask for full float32 products.

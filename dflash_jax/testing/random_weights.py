@@ -69,34 +69,40 @@ def _bytes_as(words: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.
     return jax.lax.bitcast_convert_type(data, dtype).reshape(shape)
 
 
+def _field_shapes(fmt: str, shape: tuple[int, int]) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of each field of a QTensor of `fmt` and [out, in] `shape`, in storage order."""
+    spec, (n, k) = FORMATS[fmt], shape
+    if spec.dense:
+        return [(name, dtype, (n, k)) for name, dtype, _ in spec.fields]
+    return [(name, dtype, (n, k // spec.block_size, count)) for name, dtype, count in spec.fields]
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "shape"))
 def _fields(words: jax.Array, normals: jax.Array, scale: jax.Array, *, fmt: str,
             shape: tuple[int, int]) -> dict[str, jax.Array]:
     """A QTensor's fields cut from random words (integers) and normals (floats, times `scale`)."""
-    spec, (n, k) = FORMATS[fmt], shape
-    blocks = (n, k) if spec.dense else (n, k // spec.block_size)
     data, at, af = {}, 0, 0
-    for name, dtype, count in spec.fields:
-        field_shape = blocks if spec.dense else (*blocks, count)
+    for name, dtype, field_shape in _field_shapes(fmt, shape):
         size = math.prod(field_shape)
         if _is_float(dtype):
             data[name] = (normals[af:af + size] * scale).astype(dtype).reshape(field_shape)
             af += size
         else:
-            data[name] = _bytes_as(words[at:at + _words_for(dtype, size)], dtype, field_shape)
-            at += _words_for(dtype, size)
+            used = _words_for(dtype, size)
+            data[name] = _bytes_as(words[at:at + used], dtype, field_shape)
+            at += used
     return data
 
 
 def random_qtensor(key: jax.Array, fmt: str, shape: tuple[int, int], scale: float = 0.01) -> QTensor:
     """A QTensor of the given format and [out, in] shape with random fields, built on the default device."""
-    spec, (n, k) = FORMATS[fmt], shape
-    counts = [(dtype, n * k if spec.dense else n * (k // spec.block_size) * c) for _, dtype, c in spec.fields]
-    words = sum(_words_for(d, c) for d, c in counts if not _is_float(d))
-    floats = sum(c for d, c in counts if _is_float(d))
+    shape = tuple(shape)
+    fields = [(dtype, math.prod(field_shape)) for _, dtype, field_shape in _field_shapes(fmt, shape)]
+    words = sum(_words_for(d, c) for d, c in fields if not _is_float(d))
+    floats = sum(c for d, c in fields if _is_float(d))
     int_key, float_key = jax.random.split(key)
     data = _fields(_random_words(int_key, _bucket(words)), _random_floats(float_key, _bucket(floats)),
-                   jnp.float32(scale), fmt=fmt, shape=(n, k))
+                   jnp.float32(scale), fmt=fmt, shape=shape)
     return QTensor(data, fmt, shape)
 
 

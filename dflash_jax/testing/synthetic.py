@@ -32,10 +32,14 @@ TARGET_27B = os.path.join(CONFIG_DIR, "qwen3.5-27b.json")
 DRAFT_27B = os.path.join(CONFIG_DIR, "qwen3.5-27b-dflash.json")
 
 
+@jax.jit
+def _dequantized_std(qt: QTensor) -> jax.Array:
+    return jnp.std(dequantize(qt))
+
+
 def _unit_std(fmt: str, k: int) -> float:
     """Std of a dequantized random_qtensor with unit-scale float fields (a 256-row sample)."""
-    sample = random_qtensor(jax.random.key(12345), fmt, (256, k), scale=1.0)
-    return float(jax.jit(lambda qt: jnp.std(dequantize(qt)))(sample))
+    return float(_dequantized_std(random_qtensor(jax.random.key(12345), fmt, (256, k), scale=1.0)))
 
 
 def random_matrix(key: jax.Array, fmt: str, shape: tuple[int, int], std_cache: dict | None = None) -> QTensor:
