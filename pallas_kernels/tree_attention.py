@@ -28,6 +28,20 @@ from pallas_kernels.tiles import dot_tile
 NEG = -1e30  # finite "minus infinity": an all-masked row keeps max NEG, sum 0, and no NaN
 
 
+# From this many cache slots a program takes 64 rows instead of 32 (its KV head's keys are then read by fewer row
+# tiles: 3 instead of 5 for the 27B's 23 x 6 rows). With 3 pipeline stages, over the 27B's 16 layers and 23 tree
+# tokens on an H200 (scripts/results/attn_tiles_h200_nov27.txt): 543 -> 434 us at 4K context (32 rows; 64 rows 543),
+# 2429 -> 1962 us at 32K (64 rows; 32 rows 2560).
+LONG_CACHE = 16384
+NUM_STAGES = 3
+
+
+def default_block_rows(slots: int) -> int:
+    """Rows (query tokens x heads of one KV head) a program takes for a cache of `slots`: 64 from LONG_CACHE
+    slots, else 32."""
+    return 64 if slots >= LONG_CACHE else 32
+
+
 def default_splits(slots: int) -> int:
     """Prefix splits for a cache of `slots`: about one per 1024 slots, at most 32 (partials stay small beside the
     keys they summarise; at 32K context that is 33 x 4 KV heads x 5 row tiles = 660 programs)."""
@@ -93,8 +107,8 @@ def _kernel(splits: int, br: int, block_k: int, len_ref, layer_ref, q_ref, lo_re
                                              "interpret"))
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
                    v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
-                   splits: int | None = None, block_rows: int = 32, block_k: int = 64, num_warps: int = 4,
-                   num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                   splits: int | None = None, block_rows: int | None = None, block_k: int = 64, num_warps: int = 4,
+                   num_stages: int = NUM_STAGES, interpret: bool = False) -> jax.Array:
     """Attention of q [N, Hq, d] over k/v_cache [S, Hkv, d] slots prefix_lo[i]..length-1 and the block's own
     k/v_blk [N, Hkv, d] where blk_mask [N, N]; float32 [N, Hq, d]. Every query must see at least one key.
 
@@ -107,6 +121,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
         raise ValueError(f"caches {k_cache.shape} with a layer: give stacked caches [layers, S, Hkv, d]")
     n, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
+    block_rows = block_rows or default_block_rows(s)
     if hq % hkv or k_blk.shape != (n, hkv, d) or v_cache.shape != k_cache.shape or v_blk.shape != k_blk.shape:
         raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, "
                          f"block {k_blk.shape} {v_blk.shape}")

@@ -20,12 +20,16 @@ form), and those of them the Q6_K kernel takes (`splits`, `stages`, `cols`) to i
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
-over the copy rate. Also the jnp reference under XLA.
+over the copy rate. Also the jnp reference under XLA. `--sweep` also times tiles (rows, keys, warps, stages) at the
+default split and splits at the default tile.
 
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
 chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B
 Q4_K_M matrices a decode step reads (every matrix but the embedding table) over the copy rate. Also the jnp
 reference under XLA.
+
+tree_attention and gdn results also carry the GPU kernel time of the call (kernel_us) and its split by kernel
+(kernels_us); their lines give it in all and for the Pallas kernel alone.
 
 tree_conv: the GDN layers' causal conv + SiLU (10240 channels) of a 23-node tree over the 48 layers, for channel
 tiles of 32..256 and 1 or 4 warps, against the jnp reference under XLA.
@@ -95,12 +99,30 @@ def _times(run, x, weights, gguf_bytes: int, copy: float) -> dict:
     """Wall and (on a GPU) kernel time per product of `run(x, weights)`, with GGUF bytes/s and its ratio to `copy`."""
     t = median_seconds(run, x, weights) / len(weights)
     out = dict(us=t * 1e6, gguf_bytes=gguf_bytes, rate=gguf_bytes / t, ratio=gguf_bytes / t / copy)
-    # GPU time per product of each kernel the call runs (the product's own, XLA's around it), us
-    per_kernel = {name: sec * 1e6 / len(weights) for name, sec in kernel_seconds_by_name(run, x, weights).items()}
-    kt = sum(per_kernel.values()) / 1e6
-    if kt > 0:  # a trace without GPU events (a CPU run) has no kernel time
-        out.update(kernel_us=kt * 1e6, kernel_ratio=gguf_bytes / kt / copy, kernels_us=per_kernel)
+    kernel = _kernel_times(run, x, weights, per=len(weights))
+    if kernel:
+        out.update(kernel, kernel_ratio=gguf_bytes / (kernel["kernel_us"] * 1e-6) / copy)
     return out
+
+
+def _kernel_times(run, *args, per: int = 1) -> dict:
+    """GPU time of `run(*args)` over `per` (us): kernel_us in all and kernels_us by kernel (its own, XLA's around
+    it); {} where a trace has no GPU events (a CPU run)."""
+    per_kernel = {name: sec * 1e6 / per for name, sec in kernel_seconds_by_name(run, *args).items()}
+    total = sum(per_kernel.values())
+    return dict(kernel_us=total, kernels_us=per_kernel) if total > 0 else {}
+
+
+def _own_us(r: dict, name: str) -> float:
+    """The GPU time of the kernels whose name holds `name` in a result with kernel times (us)."""
+    return sum(us for kernel, us in r["kernels_us"].items() if name in kernel)
+
+
+def _kernel_note(r: dict, name: str) -> str:
+    """'kernels X us (NAME's Y us)' for a result with kernel times, else ''."""
+    if "kernel_us" not in r:
+        return ""
+    return f"  kernels {r['kernel_us']:8.1f} us ({name} {_own_us(r, name):8.1f} us)"
 
 
 def _line(name: str, fmt: str, m: int, what: str, r: dict) -> str:
@@ -224,8 +246,11 @@ def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 
         want = ref.tree_attention(q, *caches[0], length, kb, vb, anc, lo)
         variants = [dict()]
         if sweep:
-            variants += [dict(splits=s, block_rows=r, block_k=b, num_warps=w) for s in (8, 32, 64) for r in (32, 64)
-                         for b in (64, 128) for w in (4, 8)]
+            # tiles at the default split, then the split at the default tile (the 2026-11-23 and -27 files hold
+            # an earlier sweep of splits x tiles: splits 8-64 changed little)
+            variants += [dict(block_rows=r, block_k=b, num_warps=w, num_stages=st) for r in (32, 64, 128)
+                         for b in (32, 64) for w in (4, 8) for st in (2, 3)]
+            variants += [dict(splits=s) for s in (8, 32, 64)]
         for opts in variants:
             try:
                 run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo, **o)
@@ -238,14 +263,18 @@ def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 
             floor = floor_bytes / copy
             rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers,
                              **(opts or {"tile": "default"}),
-                             us=t * 1e6, floor_us=floor * 1e6, floor_ratio=floor / t, rel_err=err))
+                             us=t * 1e6, floor_us=floor * 1e6, floor_ratio=floor / t, rel_err=err,
+                             **_kernel_times(run, q, caches)))
             print(f"  tree_attention ctx={context:6d} N={n} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
-                  f"(floor {floor*1e6:7.1f} us, {floor / t:4.2f} of it)  err {err:.1e}", flush=True)
+                  f"(floor {floor*1e6:7.1f} us, {floor / t:4.2f} of it)  err {err:.1e}"
+                  + _kernel_note(rows[-1], "tree_attention"), flush=True)
         xla = jax.jit(lambda q, cs: [ref.tree_attention(q, kc, vc, length, kb, vb, anc, lo) for kc, vc in cs])
         t = median_seconds(xla, q, caches)
         rows.append(dict(kernel="xla_tree_attention", context=context, n=n, layers=layers, us=t * 1e6,
-                         floor_us=floor_bytes / copy * 1e6, floor_ratio=floor_bytes / copy / t))
-        print(f"  tree_attention ctx={context:6d} N={n} {'XLA reference':45s} {t*1e6:8.1f} us", flush=True)
+                         floor_us=floor_bytes / copy * 1e6, floor_ratio=floor_bytes / copy / t,
+                         **_kernel_times(xla, q, caches)))
+        print(f"  tree_attention ctx={context:6d} N={n} {'XLA reference':45s} {t*1e6:8.1f} us"
+              + (f"  kernels {rows[-1]['kernel_us']:8.1f} us" if "kernel_us" in rows[-1] else ""), flush=True)
         del caches
     return rows
 
@@ -285,9 +314,10 @@ def bench_gdn(copy: float, n: int = 23) -> list[dict]:
     leaf = jnp.int32(n - 1)
     for name, run in (("gdn verify", verify_all(gdn.gdn_tree)), ("XLA reference verify", verify_all(ref.gdn_block))):
         t = median_seconds(run, per_layer, ssm)
-        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s))
+        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
+                         **_kernel_times(run, per_layer, ssm)))
         print(f"  {name:22s} N={n} x {layers} layers {t*1e6:8.1f} us = {t / ar_s:5.3f} of the AR step's weight "
-              f"streaming ({ar_s*1e6:.0f} us)", flush=True)
+              f"streaming ({ar_s*1e6:.0f} us)" + _kernel_note(rows[-1], "gdn"), flush=True)
     tokens64 = [{name: jnp.concatenate([a, a, a])[:64] for name, a in x.items()} for x in per_layer]
     def prefill_all(fn):
         return jax.jit(lambda xs, ssm: [fn(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i])
@@ -295,8 +325,9 @@ def bench_gdn(copy: float, n: int = 23) -> list[dict]:
     for name, run in (("gdn prefill chunk", prefill_all(gdn.gdn_chunked)),
                       ("XLA reference prefill", prefill_all(ref.gdn_chunked))):
         t = median_seconds(run, tokens64, ssm)
-        rows.append(dict(kernel=name, n=64, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s))
-        print(f"  {name:22s} T=64 x {layers} layers {t*1e6:8.1f} us", flush=True)
+        rows.append(dict(kernel=name, n=64, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
+                         **_kernel_times(run, tokens64, ssm)))
+        print(f"  {name:22s} T=64 x {layers} layers {t*1e6:8.1f} us" + _kernel_note(rows[-1], "gdn"), flush=True)
     outs = verify_all(gdn.gdn_tree)(per_layer, ssm)
     carry = (jnp.stack([x["k"] for x in per_layer]), jnp.stack([o[1] for o in outs]), jnp.stack([o[2] for o in outs]))
     commit = jax.jit(lambda s, k, vn, gm: gdn.gdn_commit(s, k, vn, gm, anc[n - 1], leaf))
@@ -306,9 +337,11 @@ def bench_gdn(copy: float, n: int = 23) -> list[dict]:
     for name, run in (("gdn commit", commit), ("XLA reference commit", commit_ref)):
         t = median_seconds(run, ssm, *carry)
         rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, floor_us=state_bytes / copy * 1e6,
-                         floor_ratio=state_bytes / copy / t, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s))
+                         floor_ratio=state_bytes / copy / t, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
+                         **_kernel_times(run, ssm, *carry)))
         print(f"  {name:22s} N={n} x {layers} layers {t*1e6:8.1f} us (state read + write floor "
-              f"{state_bytes / copy * 1e6:.0f} us) = {t / ar_s:5.3f} of the AR step's weight streaming", flush=True)
+              f"{state_bytes / copy * 1e6:.0f} us) = {t / ar_s:5.3f} of the AR step's weight streaming"
+              + _kernel_note(rows[-1], "gdn"), flush=True)
     return rows
 
 

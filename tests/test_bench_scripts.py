@@ -365,3 +365,42 @@ def test_mgpu_head_tree_passes_with_the_reference_product(monkeypatch, capsys):
     mgpu_head_tree.main(["--fmt", "Q6_K", "--rows", "2048", "--cols", "256"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 11 and all("WRONG" not in line and "OK" in line for line in lines), lines
+
+
+def test_compare_kernel_runs_pairs_products_by_name_and_options(tmp_path, capsys):
+    import compare_kernel_runs
+
+    def run(device, copy, rows):
+        return dict(device=device, jax="0.11.2", date="2026-11-27", copy_rate=copy, results=rows)
+
+    def row(m, kernel_us, **opts):
+        return dict(kernel="qmatmul", matrix="ffn_down", fmt="Q4_K", n=64, k=256, m=m, us=3 * kernel_us,
+                    kernel_us=kernel_us, kernel_ratio=0.5, rel_err=1e-3, **opts)
+
+    a = run("A", 2e12, [row(1, 10.0, tile="default"), row(1, 20.0, gemv=False), row(23, 40.0),
+                        dict(kernel="gdn verify", us=5.0)])  # no kernel time: left out
+    b = run("B", 4e12, [row(23, 30.0), row(1, 8.0, tile="default"), row(1, 25.0, gemv=False), row(32, 1.0)])
+    rows = compare_kernel_runs.compare(a, b)
+    assert [(r["m"], r.get("gemv"), r["a_us"], r["b_us"]) for r in rows] == [
+        (1, None, 10.0, 8.0), (1, False, 20.0, 25.0), (23, None, 40.0, 30.0)]
+    assert [r["b_over_a"] for r in rows] == pytest.approx([0.8, 1.25, 0.75])
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    run_script(compare_kernel_runs, [str(pa), str(pb), "--out", str(tmp_path / "c.txt")])
+    text = (tmp_path / "c.txt").read_text()
+    assert "copy rate A / B = 0.50" in text and "qmatmul            0.80 over 3 products (0.75-1.25)" in text
+    assert text in capsys.readouterr().out
+
+
+def test_bench_kernels_kernel_times_by_name(monkeypatch):
+    import bench_kernels
+
+    monkeypatch.setattr(bench_kernels, "kernel_seconds_by_name",
+                        lambda fn, *args: {"tree_attention_1": 4e-6, "loop_fusion": 2e-6})
+    r = bench_kernels._kernel_times(None, per=2)
+    assert r["kernel_us"] == pytest.approx(3.0)
+    assert r["kernels_us"] == pytest.approx({"tree_attention_1": 2.0, "loop_fusion": 1.0})
+    assert bench_kernels._kernel_note(r, "tree_attention") == "  kernels      3.0 us (tree_attention      2.0 us)"
+    monkeypatch.setattr(bench_kernels, "kernel_seconds_by_name", lambda fn, *args: {})  # a CPU trace
+    assert bench_kernels._kernel_times(None) == {} and bench_kernels._kernel_note({}, "gdn") == ""

@@ -7,7 +7,7 @@ import pytest
 
 from dflash_jax.testing.trees import random_ancestors
 from pallas_kernels import reference as ref
-from pallas_kernels.tree_attention import default_splits, tree_attention
+from pallas_kernels.tree_attention import LONG_CACHE, default_block_rows, default_splits, tree_attention
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -96,10 +96,25 @@ def test_default_splits():
     assert [default_splits(s) for s in (40, 1024, 1025, 4096 + 24, 32768 + 24, 262144)] == [1, 1, 2, 5, 32, 32]
 
 
+def test_default_block_rows_grow_with_the_cache():
+    assert [default_block_rows(s) for s in (40, 4096 + 64, LONG_CACHE - 1, LONG_CACHE, 262144)] == [32, 32, 32, 64, 64]
+
+
+def test_64_row_tiles_and_three_stages_match_the_reference():
+    """The long-cache tile (64 rows: 23 tokens x 6 heads = 138 rows, the last tile ragged) and pipeline depth."""
+    n, slots, length = 23, 200, 151
+    q, kc, vc, kb, vb = inputs(3, n, 6, 1, 32, slots)
+    blk = jnp.asarray(random_ancestors(np.random.default_rng(3), n))
+    args = (q, kc, vc, jnp.int32(length), kb, vb, blk, jnp.zeros(n, jnp.int32))
+    got = tree_attention(*args, splits=2, block_rows=64, num_stages=3, interpret=not ON_GPU)
+    assert rel(got, ref.tree_attention(*args)) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("who,n,hq,hkv,d,context,kind", [
     ("target verify", 23, 24, 4, 256, 4096, "tree"), ("target verify", 23, 24, 4, 256, 32768, "tree"),
     ("target prefill", 64, 24, 4, 256, 3000, "causal"), ("drafter full", 16, 32, 8, 128, 4096, "full"),
+    ("drafter full", 16, 32, 8, 128, 32768, "full"),
     ("drafter sliding", 16, 32, 8, 128, 4096, "sliding")])
 def test_real_shapes_on_gpu(who, n, hq, hkv, d, context, kind):
     rng = np.random.default_rng(context + n)
