@@ -64,7 +64,7 @@ def make_models(kind: str, impl: str, log=print):
     if kind == "27b":
         target, draft = synthetic.synthetic_27b(impl=impl, on_tensor=progress)
     else:
-        cfg = tiny_target_config(num_layers=8, vocab_size=2048)
+        cfg = tiny_target_config(num_layers=4, vocab_size=2048)  # 3 Gated DeltaNet layers, then attention
         target = synthetic.synthetic_target(cfg, impl=impl, on_tensor=progress)
         draft = synthetic.synthetic_draft(tiny_draft_config(cfg, block_size=16), impl=impl)
     jax.block_until_ready((target.params, draft.params))

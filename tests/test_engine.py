@@ -57,8 +57,7 @@ def run_oracle(engine, seed, greedy_tokens, n_gen=N_GEN, stop_ids=()):
 
 MODES = [EngineConfig(mode="chain", max_ctx=MAX_CTX)] + [
     EngineConfig(mode="ddtree", budget=b, topk=k, chain_seed=s, max_ctx=MAX_CTX)
-    for b, k, s in [(4, 1, True), (4, 4, False), (8, 8, True), (8, 4, False), (22, 8, True), (22, 1, False),
-                    (40, 8, False), (40, 4, True)]]
+    for b, k, s in [(4, 1, True), (4, 4, False), (8, 8, True), (22, 8, True), (22, 1, False), (40, 4, False)]]
 
 
 @pytest.mark.parametrize("ecfg", MODES, ids=lambda e: e.mode if e.mode == "chain" else
@@ -83,7 +82,7 @@ def test_oracle_drafter_is_lossless_and_accepts_deep_paths(tparams, greedy, ecfg
 
 def test_trees_accept_more_than_the_chain_with_the_same_oracle(tparams, greedy):
     mean = {}
-    for ecfg in (MODES[0], MODES[5]):  # chain vs DDTree budget 22, top-8, chain seed
+    for ecfg in (MODES[0], MODES[4]):  # chain vs DDTree budget 22, top-8, chain seed
         engine = oracle_engine(tparams, ecfg)
         mean[ecfg.mode] = np.mean([l for s in SEEDS for l in run_oracle(engine, s, greedy[s]).accept_lengths])
     assert mean["ddtree"] > mean["chain"] + 0.3, mean
