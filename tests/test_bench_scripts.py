@@ -218,10 +218,10 @@ def test_budget_sweep_on_the_fixture_pair(tiny_gguf_path, tmp_path):
     out = tmp_path / "sweep.json"
     run_script(budget_sweep, ["--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--sets",
                               str(prompts), "--n_gen", "10", "--budgets", "2,5", "--topks", "2", "--chain_seeds",
-                              "on,off", "--iters", "1", "--impl", "reference", "--out", str(out)])
+                              "on", "--iters", "1", "--impl", "reference", "--out", str(out)])
     report = json.loads(out.read_text())
     rows = report["results"]
-    assert [(r["budget"], r["chain_seed"]) for r in rows] == [(2, True), (2, False), (5, True), (5, False)]
+    assert [(r["budget"], r["chain_seed"]) for r in rows] == [(2, True), (5, True)]
     assert all(r["same_as_ar"] == 1 and r["al"] >= 1.0 and r["step_ms"] > 0 for r in rows)
     assert set(report["verify_ms"]) == {"3", "6"} and report["verify_fit"]["n"]["b_ms"] != 0
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
