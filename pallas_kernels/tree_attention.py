@@ -34,12 +34,23 @@ NEG = -1e30  # finite "minus infinity": an all-masked row keeps max NEG, sum 0, 
 # 2429 -> 1962 us at 32K (64 rows; 32 rows 2560).
 LONG_CACHE = 16384
 NUM_STAGES = 3
+# Each pipeline stage holds a key tile and a value tile in shared memory. Three stages fit the SM's 227 KiB only
+# while a stage takes at most 64 KiB: the 27B's bfloat16 caches (64 keys x 256 x 2 bytes, twice) and the drafter's
+# float32 ones; the 27B's float32 caches asked 283136 bytes at 3 stages and failed to launch on an H200
+# (scripts/results/attn_smem_sm90.txt has each case as Triton compiles it).
+STAGE_BYTES = 64 * 1024
 
 
 def default_block_rows(slots: int) -> int:
     """Rows (query tokens x heads of one KV head) a program takes for a cache of `slots`: 64 from LONG_CACHE
     slots, else 32."""
     return 64 if slots >= LONG_CACHE else 32
+
+
+def default_stages(block_k: int, head_dim: int, itemsize: int) -> int:
+    """Pipeline stages for key and value tiles of block_k x head_dim elements of `itemsize` bytes: NUM_STAGES while
+    one stage's pair fits STAGE_BYTES, else 2."""
+    return NUM_STAGES if 2 * block_k * head_dim * itemsize <= STAGE_BYTES else 2
 
 
 def default_splits(slots: int) -> int:
@@ -108,7 +119,7 @@ def _kernel(splits: int, br: int, block_k: int, len_ref, layer_ref, q_ref, lo_re
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
                    v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
                    splits: int | None = None, block_rows: int | None = None, block_k: int = 64, num_warps: int = 4,
-                   num_stages: int = NUM_STAGES, interpret: bool = False) -> jax.Array:
+                   num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of q [N, Hq, d] over k/v_cache [S, Hkv, d] slots prefix_lo[i]..length-1 and the block's own
     k/v_blk [N, Hkv, d] where blk_mask [N, N]; float32 [N, Hq, d]. Every query must see at least one key.
 
@@ -122,6 +133,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     n, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     block_rows = block_rows or default_block_rows(s)
+    num_stages = num_stages or default_stages(block_k, d, jnp.dtype(k_cache.dtype).itemsize)
     if hq % hkv or k_blk.shape != (n, hkv, d) or v_cache.shape != k_cache.shape or v_blk.shape != k_blk.shape:
         raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, "
                          f"block {k_blk.shape} {v_blk.shape}")

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (copy_rate, environment, fit_verify_cost, parse_options, qmatmul_defaults,  # noqa: E402
                       set_qmatmul_defaults)
 
+from dflash_jax import kernels  # noqa: E402
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
@@ -353,6 +354,9 @@ def main() -> None:
     ap.add_argument("--small_rows", type=int, default=None,
                     help="quantized matrices of fewer rows go to XLA's product as float32 (kernels.SMALL_ROWS; 0: "
                          "every one to the kernels)")
+    ap.add_argument("--attn_tiles", default=None, metavar="ROWS,STAGES",
+                    help="tree attention's rows a program and pipeline stages for this run (default: the kernel's, "
+                         "tree_attention.default_block_rows and NUM_STAGES)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):
@@ -374,10 +378,15 @@ def main() -> None:
                            if value is not None})
     if args.one_token == "tensor_cores":
         qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)
+    attention = kernels._tree_attention_kernel
+    if args.attn_tiles:
+        rows, stages = (int(x) for x in args.attn_tiles.split(","))
+        kernels._tree_attention_kernel = functools.partial(attention, block_rows=rows, num_stages=stages)
     try:
         run(args)
     finally:
         set_qmatmul_defaults(shipped)
+        kernels._tree_attention_kernel = attention
 
 
 def run(args: argparse.Namespace) -> None:
@@ -427,25 +436,11 @@ def run(args: argparse.Namespace) -> None:
                     f"{row['temp_bytes'] / 2**20:.0f} MiB")
                 del state
         save()
-    if not sections & {"ar", "forced", "steps"}:
+    if not sections & {"ar", "forced", "steps", "long"}:
         return finish(res, compiles, save, t_start)
-
-    # AR: time to first token (cold: with compiling), then warm, and the decode rate against the roofline. Its
-    # greedy continuation is what the forced drafter proposes.
-    ar = engine_for(target, draft, "ar", max_ctx=args.max_ctx)
-    t0 = time.perf_counter()
-    gen = ar.generate(prompt, 2, NO_STOPS)
-    cold = time.perf_counter() - t0
-    gen = ar.generate(prompt, args.n_gen, NO_STOPS)
-    sequence = gen.tokens
-    ar_ms = 1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1)
-    res["ar"] = dict(ttft_cold_s=cold, ttft_s=gen.prefill_s + gen.first_step_s, prefill_s=gen.prefill_s,
-                     prompt_len=args.prompt_len, step_ms=ar_ms, tokens_per_s=gen.steady_tokens_per_s,
-                     roofline_ms=floor_ms, roofline_fraction=floor_ms / ar_ms, n_gen=args.n_gen,
-                     continuation_head=sequence[:32])
-    log(f"AR: {gen.steady_tokens_per_s:.1f} tok/s, step {ar_ms:.2f} ms, roofline {floor_ms:.2f} ms "
-        f"({floor_ms / ar_ms:.2f}); TTFT {res['ar']['ttft_s']:.3f} s warm, {cold:.1f} s cold")
-    save()
+    if sections & {"ar", "forced", "steps"}:  # the forced runs follow the AR's greedy continuation
+        sequence, ar_ms = time_ar(args, target, draft, prompt, floor_ms, res, log)
+        save()
 
     # Forced acceptance at DDTree-22: tokens/s at each acceptance length
     rate_for_steps = args.step_error_rate or 0.1
@@ -523,6 +518,25 @@ def run(args: argparse.Namespace) -> None:
     finish(res, compiles, save, t_start)
 
 
+def time_ar(args: argparse.Namespace, target, draft, prompt: list[int], floor_ms: float, res: dict,
+            log) -> tuple[list[int], float]:
+    """AR time to first token (cold: with compiling, then warm) and decode rate against the roofline, into
+    res["ar"]; its greedy continuation and step ms."""
+    ar = engine_for(target, draft, "ar", max_ctx=args.max_ctx)
+    t0 = time.perf_counter()
+    gen = ar.generate(prompt, 2, NO_STOPS)
+    cold = time.perf_counter() - t0
+    gen = ar.generate(prompt, args.n_gen, NO_STOPS)
+    ar_ms = 1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1)
+    res["ar"] = dict(ttft_cold_s=cold, ttft_s=gen.prefill_s + gen.first_step_s, prefill_s=gen.prefill_s,
+                     prompt_len=args.prompt_len, step_ms=ar_ms, tokens_per_s=gen.steady_tokens_per_s,
+                     roofline_ms=floor_ms, roofline_fraction=floor_ms / ar_ms, n_gen=args.n_gen,
+                     continuation_head=gen.tokens[:32])
+    log(f"AR: {gen.steady_tokens_per_s:.1f} tok/s, step {ar_ms:.2f} ms, roofline {floor_ms:.2f} ms "
+        f"({floor_ms / ar_ms:.2f}); TTFT {res['ar']['ttft_s']:.3f} s warm, {cold:.1f} s cold")
+    return gen.tokens, ar_ms
+
+
 def finish(res: dict, compiles: CompileLog, save, t_start: float) -> None:
     """Close the compile log, save the results and print the compile table and the summary."""
     compiles.__exit__()
@@ -547,15 +561,18 @@ def summary(res: dict) -> str:
     for r in res.get("compiled_memory", []):
         lines.append(f"compiled {r['mode']} step, context {r['context']}: state {r['state_bytes'] / 2**20:.0f} MiB, "
                      f"temporaries {r['temp_bytes'] / 2**20:.0f} MiB")
-    if "ar" not in res:
+    if not {"ar", "long"} & set(res):
         return "\n".join(lines)
-    ar = res["ar"]
-    lines += [f"{res['device']} jax {res['jax']} {res['date']}; copy {res['copy_rate'] / 1e9:.0f} GB/s; model "
-             f"{res['model']} ({res['models']['step_weight_bytes'] / 1e9:.2f} GB streamed per step)",
-             f"AR {ar['tokens_per_s']:.1f} tok/s, step {ar['step_ms']:.2f} ms = {ar['roofline_fraction']:.2f} of "
-             f"the roofline ({ar['roofline_ms']:.2f} ms); TTFT {ar['ttft_s']:.3f} s ({ar['prompt_len']} tokens)",
-             f"{'mode':>7} {'budget':>6} {'draft':>7} {'tree':>7} {'verify':>7} {'commit':>7} {'step':>7} {'x AR':>5} "
-             f"{'AL':>5} {'tok/s':>6}"]
+    lines.append(f"{res['device']} jax {res['jax']} {res['date']}; copy {res['copy_rate'] / 1e9:.0f} GB/s; model "
+                 f"{res['model']} ({res['models']['step_weight_bytes'] / 1e9:.2f} GB streamed per step)")
+    if "ar" in res:
+        ar = res["ar"]
+        lines.append(f"AR {ar['tokens_per_s']:.1f} tok/s, step {ar['step_ms']:.2f} ms = {ar['roofline_fraction']:.2f}"
+                     f" of the roofline ({ar['roofline_ms']:.2f} ms); TTFT {ar['ttft_s']:.3f} s ({ar['prompt_len']}"
+                     " tokens)")
+    if res.get("steps"):
+        lines.append(f"{'mode':>7} {'budget':>6} {'draft':>7} {'tree':>7} {'verify':>7} {'commit':>7} {'step':>7} "
+                     f"{'x AR':>5} {'AL':>5} {'tok/s':>6}")
     for r in res.get("steps", []):
         p = r["phases_ms"]
         lines.append(f"{r['mode']:>7} {r['budget']:>6} {p['draft']:>7.2f} {p['tree']:>7.2f} {p['verify']:>7.2f} "

@@ -56,26 +56,32 @@ VARIANTS = ["m=1,int8_x=0,asm=0,prefetch=0", "m=1,int8_x=0,asm=1,prefetch=0", "m
 REGISTERS_PER_SM, SHARED_PER_SM = 65536, 228 * 1024
 
 
-def triton_ir(fmt: str, n: int, k: int, m: int, opts: dict) -> tuple[str, int, int]:
-    """(Triton IR in MLIR's generic form, num_warps, num_stages) of qmatmul's kernel for these shapes and options."""
+def lowered_triton(run, *args) -> tuple[str, int, int]:
+    """(Triton IR in MLIR's generic form, num_warps, num_stages) of the last Pallas kernel in jitted `run` on args,
+    lowered for CUDA without a GPU."""
     from jax._src.pallas.triton import pallas_call_registration as registration
 
     modules, lower = [], registration.lowering.lower_jaxpr_to_triton_module
 
-    def keep(*args, **kwargs):
-        result = lower(*args, **kwargs)
+    def keep(*a, **kw):
+        result = lower(*a, **kw)
         modules.append(result.module)
         return result
 
     registration.lowering.lower_jaxpr_to_triton_module = keep
     try:
-        pw = qm.pack(random_qtensor(jax.random.key(0), fmt, (n, k)))
-        run = jax.jit(lambda x, w: qm.qmatmul(x, w, **opts))  # the defaults of a GPU (interpret=False)
-        hlo = run.trace(jnp.ones((m, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",)).as_text()
+        hlo = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = lower
     warps, stages = (int(re.search(rf"{key} = (\d+)", hlo).group(1)) for key in ("num_warps", "num_stages"))
     return modules[-1].operation.get_asm(print_generic_op_form=True), warps, stages
+
+
+def triton_ir(fmt: str, n: int, k: int, m: int, opts: dict) -> tuple[str, int, int]:
+    """(Triton IR in MLIR's generic form, num_warps, num_stages) of qmatmul's kernel for these shapes and options."""
+    pw = qm.pack(random_qtensor(jax.random.key(0), fmt, (n, k)))
+    run = jax.jit(lambda x, w: qm.qmatmul(x, w, **opts))  # the defaults of a GPU (interpret=False)
+    return lowered_triton(run, jnp.ones((m, k), jnp.bfloat16), pw)
 
 
 def triton_tools() -> Path:

@@ -37,7 +37,7 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
 
     out = tmp_path / "bench.json"
     run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "ar,forced,steps", "--budgets", "4",
-                       "--no-chain", "--als", "3", "--max_ctx", "256", "--prompt_len", "16", "--n_gen", "32",
+                       "--no-chain", "--als", "3", "--forced_budget", "4", "--max_ctx", "256", "--prompt_len", "16", "--n_gen", "32",
                        "--iters", "1", "--impl", "reference"])
     res = json.loads(out.read_text())
     assert res["ar"]["tokens_per_s"] > 0 and 0 < res["ar"]["roofline_fraction"]
@@ -48,12 +48,24 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert all(step["phases_ms"][k] > 0 for k in ("draft", "tree", "verify", "accept_commit"))
     assert any("_step" in r["name"] for r in res["compile"])
     printed = capsys.readouterr().out
-    assert "forced DDTree-22: AL" in printed and " ddtree      4 " in printed
+    assert "forced DDTree-4: AL" in printed and " ddtree      4 " in printed
     merged = tmp_path / "merged.json"
     run_script(bench, ["--out", str(merged), "--merge", f"{out}:steps+forced"])
     again = json.loads(merged.read_text())
     assert again["steps"] == res["steps"] and again["forced"] == res["forced"] and again["ar"] == res["ar"]
     assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
+
+
+def test_bench_summary_of_long_contexts_alone():
+    """`--sections long` runs no AR section: its table has the run's line and the contexts' steps, no step table."""
+    import bench
+
+    res = dict(device="GPU", jax="0", date="d", copy_rate=2e12, model="27b", models=dict(step_weight_bytes=1.6e10),
+               long=[dict(context=32768, ar_step_ms=20.0, ddtree_step_ms=30.0, ddtree_over_ar=1.5,
+                          memory=dict(peak_bytes_in_use=2**31))])
+    lines = bench.summary(res).splitlines()
+    assert lines == ["GPU jax 0 d; copy 2000 GB/s; model 27b (16.00 GB streamed per step)",
+                     "context 32768: AR 20.00 ms, DDTree-22 30.00 ms (1.50 x), peak 2.0 GiB"]
 
 
 def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
@@ -97,6 +109,19 @@ def test_bench_mgpu_switches_last_one_run(tmp_path, monkeypatch):
                        "--small_rows", "0"])
     assert seen == [("only", ("Q4_K",), "subnormal", 64, "tma_add", 0)]
     assert state() == shipped == (False, ("Q4_K", "Q6_K"), "magic", 32, "xla", 64)
+
+
+def test_bench_attention_tiles_last_one_run(tmp_path, monkeypatch):
+    """--attn_tiles 32,2 gives the tree-attention kernel 32-row programs and two pipeline stages (the tiles before
+    2026-11-27) during the run, and only then."""
+    import bench
+    from dflash_jax import kernels
+
+    shipped, seen = kernels._tree_attention_kernel, []
+    monkeypatch.setattr(bench, "run", lambda args: seen.append(kernels._tree_attention_kernel))
+    run_script(bench, ["--out", str(tmp_path / "x.json"), "--attn_tiles", "32,2"])
+    assert seen[0].func is shipped and seen[0].keywords == {"block_rows": 32, "num_stages": 2}
+    assert kernels._tree_attention_kernel is shipped
 
 
 def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):

@@ -7,7 +7,8 @@ import pytest
 
 from dflash_jax.testing.trees import random_ancestors
 from pallas_kernels import reference as ref
-from pallas_kernels.tree_attention import LONG_CACHE, default_block_rows, default_splits, tree_attention
+from pallas_kernels.tree_attention import (LONG_CACHE, default_block_rows, default_splits, default_stages,
+                                          tree_attention)
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -110,16 +111,27 @@ def test_64_row_tiles_and_three_stages_match_the_reference():
     assert rel(got, ref.tree_attention(*args)) < 1e-2
 
 
+def test_three_stages_while_a_stage_fits_64_kib():
+    """bfloat16 caches of the 27B's heads and float32 ones of the drafter's take 3 stages; the 27B's float32 caches
+    (128 KiB a stage) take 2, which fit the SM's shared memory (scripts/results/attn_smem_sm90.txt)."""
+    assert [default_stages(64, d, size) for d, size in ((256, 2), (128, 4), (128, 2), (256, 4))] == [3, 3, 3, 2]
+    assert default_stages(32, 256, 4) == 3
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("who,n,hq,hkv,d,context,kind", [
-    ("target verify", 23, 24, 4, 256, 4096, "tree"), ("target verify", 23, 24, 4, 256, 32768, "tree"),
-    ("target prefill", 64, 24, 4, 256, 3000, "causal"), ("drafter full", 16, 32, 8, 128, 4096, "full"),
-    ("drafter full", 16, 32, 8, 128, 32768, "full"),
-    ("drafter sliding", 16, 32, 8, 128, 4096, "sliding")])
-def test_real_shapes_on_gpu(who, n, hq, hkv, d, context, kind):
+@pytest.mark.parametrize("who,n,hq,hkv,d,context,kind,dtype", [
+    ("target verify", 23, 24, 4, 256, 4096, "tree", jnp.bfloat16),
+    ("target verify", 23, 24, 4, 256, 32768, "tree", jnp.bfloat16),
+    ("target prefill", 64, 24, 4, 256, 3000, "causal", jnp.bfloat16),
+    ("target prefill, float32 cache", 64, 24, 4, 256, 3000, "causal", jnp.float32),
+    ("target verify, float32 cache", 23, 24, 4, 256, 32768, "tree", jnp.float32),
+    ("drafter full", 16, 32, 8, 128, 4096, "full", jnp.bfloat16),
+    ("drafter full", 16, 32, 8, 128, 32768, "full", jnp.bfloat16),
+    ("drafter sliding", 16, 32, 8, 128, 4096, "sliding", jnp.bfloat16)])
+def test_real_shapes_on_gpu(who, n, hq, hkv, d, context, kind, dtype):
     rng = np.random.default_rng(context + n)
     slots = context + 64
-    q, kc, vc, kb, vb = inputs(context, n, hq, hkv, d, slots, jnp.bfloat16)
+    q, kc, vc, kb, vb = inputs(context, n, hq, hkv, d, slots, dtype)
     lo = np.zeros(n, np.int32)
     blk = {"tree": lambda: random_ancestors(rng, n), "causal": lambda: np.tril(np.ones((n, n), bool)),
            "full": lambda: np.ones((n, n), bool)}.get(kind, lambda: None)()
