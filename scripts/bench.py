@@ -356,7 +356,7 @@ def main() -> None:
                          "every one to the kernels)")
     ap.add_argument("--attn_tiles", default=None, metavar="ROWS,STAGES",
                     help="tree attention's rows a program and pipeline stages for this run (default: the kernel's, "
-                         "tree_attention.default_block_rows and NUM_STAGES)")
+                         "tree_attention.default_block_rows and default_stages)")
     args = ap.parse_args()
     prefetch = parse_options(args.prefetch)
     if set(prefetch) - set(qm.PREFETCH):

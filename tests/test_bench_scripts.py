@@ -37,8 +37,8 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
 
     out = tmp_path / "bench.json"
     run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "ar,forced,steps", "--budgets", "4",
-                       "--no-chain", "--als", "3", "--forced_budget", "4", "--max_ctx", "256", "--prompt_len", "16", "--n_gen", "32",
-                       "--iters", "1", "--impl", "reference"])
+                       "--no-chain", "--als", "3", "--forced_budget", "4", "--max_ctx", "256", "--prompt_len", "16",
+                       "--n_gen", "32", "--iters", "1", "--impl", "reference"])
     res = json.loads(out.read_text())
     assert res["ar"]["tokens_per_s"] > 0 and 0 < res["ar"]["roofline_fraction"]
     forced, = res["forced"]
