@@ -15,15 +15,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pallas_kernels.tree_attention import tree_attention  # noqa: E402
+from benchlib import attention_heads  # noqa: E402
 
-HEADS = {"target": (24, 4, 256), "drafter": (32, 8, 128)}
+from pallas_kernels.tree_attention import tree_attention  # noqa: E402
 
 
 def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    for (name, (hq, hkv, d)), n, slots in itertools.product(HEADS.items(), (1, 23, 64), (128, 4160, 33280)):
+    heads = attention_heads()
+    for (name, (hq, hkv, d)), n, slots in itertools.product(heads.items(), (1, 23, 64), (128, 4160, 33280)):
         keys = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(keys[0], (n, hq, d), jnp.bfloat16)
         cache = jax.random.normal(keys[1], (1, slots, hkv, d), jnp.bfloat16)

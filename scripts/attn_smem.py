@@ -21,11 +21,11 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchlib import attention_heads  # noqa: E402
 from qmatmul_sass import compile_sm90, lowered_triton  # noqa: E402
 
 from pallas_kernels import tree_attention as ta  # noqa: E402
 
-HEADS = {"target": (24, 4, 256), "drafter": (32, 8, 128)}
 SM_SHARED = 232448
 TOKENS, SLOTS = 23, 33280
 
@@ -49,7 +49,8 @@ def main() -> None:
              f"{jax.__version__}; default: the tile "
              "tree_attention takes without options at 32 and 64 rows",
              f"{'heads':8s} {'cache':9s} {'rows':>4s} {'stages':>6s} {'smem':>7s} {'fits':>5s} {'default':>7s}"]
-    for (name, (hq, hkv, d)), dtype, rows, stages in itertools.product(HEADS.items(), (jnp.bfloat16, jnp.float32),
+    heads = attention_heads()
+    for (name, (hq, hkv, d)), dtype, rows, stages in itertools.product(heads.items(), (jnp.bfloat16, jnp.float32),
                                                                        (32, 64), (2, 3)):
         shared = compile_sm90(*triton_ir(hq, hkv, d, dtype, block_rows=rows, num_stages=stages))[3]
         default = stages == ta.default_stages(64, d, jnp.dtype(dtype).itemsize)

@@ -123,6 +123,15 @@ def environment() -> dict:
             "date": datetime.date.today().isoformat()}
 
 
+def attention_heads() -> dict[str, tuple[int, int, int]]:
+    """(query heads, KV heads, head_dim) of the 27B target's attention and its drafter's, from their configs."""
+    from dflash_jax.config import load_draft_config, load_target_config
+    from dflash_jax.testing.synthetic import DRAFT_27B, TARGET_27B
+
+    configs = {"target": load_target_config(TARGET_27B), "drafter": load_draft_config(DRAFT_27B)}
+    return {name: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) for name, cfg in configs.items()}
+
+
 def gdn_layer_inputs(seed: int, layers: int, n: int, h: int, dk: int, dv: int) -> tuple[list[dict], jax.Array]:
     """Random delta-rule inputs of n tokens for each of `layers` layers (separate arrays, as the model has them:
     unit keys, scaled unit queries, log-decays in (-1, 0], beta in (0, 1)) and their stacked states."""
