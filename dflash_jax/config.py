@@ -120,6 +120,43 @@ class DraftConfig:
                f"target_layer_ids {list(self.target_layer_ids)} must be in [0, {self.num_target_layers})")
 
 
+IMPLS = ("reference", "pallas")
+MGPU_LAYOUTS = ("off", "beside", "only")
+KV_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Every kernel choice of a loaded model: resolved once from the device and the user's flags
+    (`dflash_jax.defaults.resolve_kernels`), carried with the model and passed to every jitted function as a static
+    argument, so a different choice is a different compiled function (docs/architecture.md, "Kernel configuration")."""
+
+    impl: str = "reference"  # "reference": plain jnp and XLA; "pallas": the Pallas GPU kernels
+    interpret: bool = False  # the Pallas kernels in interpret mode (on a CPU: tests)
+    # Q4_K and Q6_K matrices in the Mosaic GPU kernels' layout (Hopper): "off"; "beside" the Triton kernels' layout
+    # (products of 2-64 tokens on Mosaic GPU, one token on the int8 GEMV; the quants held twice); "only" (every
+    # product of those matrices on Mosaic GPU, one token padded to 8)
+    mgpu: str = "off"
+    small_rows: int = 64  # with pallas, quantized matrices of fewer rows go to XLA's product as float32
+
+    def __post_init__(self):
+        _check(self.impl in IMPLS, f"impl {self.impl!r} is not one of {', '.join(IMPLS)}")
+        _check(self.mgpu in MGPU_LAYOUTS, f"mgpu layout {self.mgpu!r} is not one of {', '.join(MGPU_LAYOUTS)}")
+        _check(self.mgpu == "off" or (self.impl == "pallas" and not self.interpret),
+               f"the Mosaic GPU layout ({self.mgpu!r}) needs impl 'pallas' on a Hopper GPU (no interpret mode)")
+        _check(not self.interpret or self.impl == "pallas", "interpret mode is for the Pallas kernels (impl 'pallas')")
+        _check(self.small_rows >= 0, f"small_rows {self.small_rows} must be at least 0")
+
+    def describe(self) -> str:
+        """One line for --stats: the kernel set and its choices."""
+        if self.impl == "reference":
+            return "reference kernels (jnp and XLA)"
+        layout = {"off": "Triton kernels", "beside": "Mosaic GPU beside Triton for Q4_K/Q6_K",
+                  "only": "Mosaic GPU for Q4_K/Q6_K"}[self.mgpu]
+        return (f"Pallas kernels{' in interpret mode' if self.interpret else ''}: {layout}, matrices under "
+                f"{self.small_rows} rows on XLA")
+
+
 MODES = ("ar", "chain", "ddtree")
 MAX_TREE_NODES = 64  # verify width (root included) the kernels are built for
 
@@ -144,7 +181,7 @@ class EngineConfig:
                f"tokens; at most {MAX_TREE_NODES} are supported)")
         _check(self.topk >= 1, f"topk {self.topk} must be at least 1 (a top-K wider than the budget is cut to it)")
         _check(self.max_ctx >= 2, f"max_ctx {self.max_ctx} must be at least 2")
-        _check(self.kv_dtype in ("float32", "bfloat16"), f"kv_dtype {self.kv_dtype!r}: float32 or bfloat16")
+        _check(self.kv_dtype in KV_DTYPES, f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
     def seeds_chain(self, depth: int) -> bool:
         """Whether the DDTree starts from the top-1 chain, for a draft of `depth` rows."""
