@@ -21,7 +21,7 @@ class DeviceDefaults:
     """What a device class gets when the user asks for nothing."""
 
     impl: str  # KernelConfig.impl
-    mgpu_ar: str  # KernelConfig.mgpu in ar mode (its one-token products take the int8 GEMV, Triton's layout)
+    mgpu_ar: str  # KernelConfig.mgpu in ar mode, whose products are of one token but for the prompt's
     mgpu_tree: str  # KernelConfig.mgpu in chain and ddtree modes (one-token products only at a prompt's end)
     kv_dtype: str  # EngineConfig.kv_dtype
     budget: int  # EngineConfig.budget: DDTree nodes besides the root
@@ -32,8 +32,9 @@ DEVICE_DEFAULTS = {
     "cpu": DeviceDefaults(impl="reference", mgpu_ar="off", mgpu_tree="off", kv_dtype="float32", budget=8),
     # GPUs before Hopper: the Triton kernels alone
     "gpu": DeviceDefaults(impl="pallas", mgpu_ar="off", mgpu_tree="off", kv_dtype="bfloat16", budget=22),
-    # Hopper (compute capability 9.x): Q4_K/Q6_K products of 2-64 tokens on the Mosaic GPU kernels
-    "hopper": DeviceDefaults(impl="pallas", mgpu_ar="beside", mgpu_tree="only", kv_dtype="bfloat16", budget=22),
+    # Hopper (compute capability 9.x): the speculative modes' Q4_K/Q6_K products on the Mosaic GPU kernels alone; ar
+    # keeps the Triton layout only, its one-token products on the int8 GEMV ("beside" would hold the quants twice)
+    "hopper": DeviceDefaults(impl="pallas", mgpu_ar="off", mgpu_tree="only", kv_dtype="bfloat16", budget=22),
 }
 
 

@@ -22,12 +22,11 @@ import time
 from typing import Callable, Sequence
 
 from dflash_jax import assets
-from dflash_jax.config import EngineConfig
+from dflash_jax.config import KV_DTYPES, EngineConfig, KernelConfig
+from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, resolve_engine, resolve_kernels
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, load_tokenizer
 
-GPU_BUDGET = 22
-CPU_BUDGET = 8  # budgets 4-12 without the chain seed beat 22 with it on two CPU cores (README "Budgets on a CPU")
 CTX_ROUND = 256  # --max_ctx 0 fits prompt + n_gen, rounded up to this (fewer distinct cache shapes to compile)
 USAGE_ERROR = 2
 
@@ -38,13 +37,12 @@ class UsageError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Models:
-    """A loaded target, its tokenizer and (for chain/ddtree) its drafter."""
+    """A loaded target (its KernelConfig with it), its tokenizer and (for chain/ddtree) its drafter."""
 
     target: object  # dflash_jax.load.Target
     draft: object | None  # dflash_jax.load.Draft
     tokenizer: Tokenizer
     load_s: float
-    mgpu_layout: bool | str = False  # the target's Q4_K/Q6_K weights for the Mosaic GPU kernels (`mgpu_layout`)
 
 
 def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | None]:
@@ -56,44 +54,24 @@ def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | Non
     return target, draft
 
 
-def mgpu_layout(mode: str, mgpu: bool | None) -> bool | str:
-    """How to pack the target's Q4_K and Q6_K weights for the Mosaic GPU kernels (qmatmul.MGPU_LAYOUT; Hopper only,
-    pallas_kernels/qmatmul_mgpu.py): in that layout alone for the chain and tree engines, beside the GEMV's for ar,
-    whose one-token products the GEMV serves; `mgpu` None: for chain and ddtree where the GPU can run it."""
-    from pallas_kernels import qmatmul_mgpu
-
-    if mgpu is None:
-        mgpu = mode != "ar" and qmatmul_mgpu.available()
-    elif mgpu and not qmatmul_mgpu.available():
-        raise UsageError("--mgpu needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernel")
-    return (True if mode == "ar" else "only") if mgpu else False
-
-
-def load_models(target_path: str, draft_path: str | None, mode: str, impl: str = "auto",
-                progress: bool = True, mgpu: bool | None = None) -> Models:
-    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other; the target's Q4_K and Q6_K
-    weights packed for the Mosaic GPU kernels as `mgpu_layout` says."""
+def load_models(target_path: str, draft_path: str | None, mode: str, kcfg: KernelConfig,
+                progress: bool = True) -> Models:
+    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other, laid out for `kcfg`."""
     from dflash_jax.load import load_draft, load_target
-    from pallas_kernels import qmatmul as qm
 
     for path in (target_path, draft_path):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file or directory")
     if mode != "ar" and draft_path is None:
         raise UsageError(f"--mode {mode} needs a drafter: pass --draft DIR (or use --mode ar)")
-    layout = mgpu_layout(mode, mgpu)
     t0 = time.perf_counter()
-    packing, qm.MGPU_LAYOUT = qm.MGPU_LAYOUT, layout
-    try:
-        target = load_target(target_path, progress=progress, impl=impl)
-    finally:
-        qm.MGPU_LAYOUT = packing
+    target = load_target(target_path, progress=progress, kcfg=kcfg)
     tokenizer = load_tokenizer(target_path)
     if tokenizer.vocab_size > target.config.vocab_size:
         raise UsageError(f"{target_path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"only {target.config.vocab_size}")
-    draft = load_draft(draft_path, target.config, progress=progress, impl=target.impl) if mode != "ar" else None
-    return Models(target, draft, tokenizer, time.perf_counter() - t0, layout)
+    draft = load_draft(draft_path, target.config, progress=progress, kcfg=kcfg) if mode != "ar" else None
+    return Models(target, draft, tokenizer, time.perf_counter() - t0)
 
 
 def prompt_tokens(tokenizer: Tokenizer, text: str, *, system: str | None = None, raw: bool = False,
@@ -145,17 +123,14 @@ def _backend() -> str:
     return f"{jax.default_backend()}, {jax.devices()[0].device_kind}"
 
 
-def default_budget() -> int:
-    """The DDTree budget when --budget is not given: GPU_BUDGET on an accelerator, CPU_BUDGET on a CPU."""
-    import jax
-
-    return CPU_BUDGET if jax.default_backend() == "cpu" else GPU_BUDGET
-
-
-def engine_config(f, **extra) -> EngineConfig:
-    """The EngineConfig of the decoding flags (the budget defaults by backend; the chain seed by the budget)."""
-    budget = f.budget if f.budget is not None else default_budget()
-    return EngineConfig(mode=f.mode, budget=budget, topk=f.topk, chain_seed=f.chain_seed, **extra)
+def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_rows: int | None = None
+                  ) -> tuple[EngineConfig, KernelConfig]:
+    """The engine and kernel configuration of the decoding flags (`f.mode`, `budget`, `topk`, `chain_seed`,
+    `max_ctx`, `kv_dtype`, `mgpu`), None flags taking the device class's defaults (dflash_jax/defaults.py): the one
+    resolution every command and benchmark goes through."""
+    ecfg = resolve_engine(f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed,
+                          max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_dtype=f.kv_dtype)
+    return ecfg, resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows)
 
 
 def tree_settings(ecfg: EngineConfig, engine) -> dict:
@@ -189,7 +164,7 @@ def run(argv: Sequence[str]) -> int:
         raise UsageError("pass either --prompt or --prompt_ids, not both")
     check_profile_dir(f.profile)
     target_path, draft_path = resolve_paths(f.target, f.draft)
-    ecfg = engine_config(f)  # checks the values
+    ecfg, kcfg = resolve_flags(f, max_ctx=f.max_ctx or CTX_ROUND)  # checks the values; max_ctx is fitted below
     if f.prompt_ids is not None:
         ids = read_ids(f.prompt_ids, flag="--prompt_ids").tolist()
         fit_max_ctx(f.max_ctx, len(ids), f.n_gen)  # before loading anything
@@ -199,7 +174,7 @@ def run(argv: Sequence[str]) -> int:
             raise UsageError("empty prompt: pass --prompt TEXT, --prompt_ids, or text on stdin")
     log = CompileLog() if f.compile_report else None
     with contextlib.nullcontext() if log is None else log:  # compiles of loading and generating
-        models = load_models(target_path, draft_path, f.mode, progress=not f.json, mgpu=f.mgpu)
+        models = load_models(target_path, draft_path, f.mode, kcfg, progress=not f.json)
         tok = models.tokenizer
         if f.prompt_ids is None:
             ids = prompt_tokens(tok, text, system=f.system, raw=f.raw, thinking=f.thinking)
@@ -226,8 +201,8 @@ def run(argv: Sequence[str]) -> int:
                    accept_lengths=gen.accept_lengths, steps=gen.steps, mean_accept_length=gen.mean_accept_length,
                    stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
-                   steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, backend=_backend(),
-                   mgpu_layout=models.mgpu_layout)
+                   steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, kv_dtype=ecfg.kv_dtype,
+                   backend=_backend(), device_class=device_class(), kernels=dataclasses.asdict(kcfg))
         if tracer is not None:
             out["profile_steps"] = tracer.traced_steps
         if log is not None:
@@ -240,9 +215,8 @@ def run(argv: Sequence[str]) -> int:
         print(f"[{describe(ecfg, engine)}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill "
               f"{gen.prefill_s:.2f} s (with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over "
               f"{gen.steps} steps, acceptance length {gen.mean_accept_length:.2f}: first step "
-              f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()}"
-              + ("; Q4_K/Q6_K products on the Mosaic GPU kernels" if models.mgpu_layout else ""),
-              file=sys.stderr)
+              f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()} "
+              f"({device_class()}): {kcfg.describe()}; {ecfg.kv_dtype} KV cache", file=sys.stderr)
     if tracer is not None:
         print(f"profile: {tracer.traced_steps} steps traced into {f.profile} (open the .trace.json.gz in "
               "ui.perfetto.dev or the directory in TensorBoard)", file=sys.stderr)
@@ -264,10 +238,10 @@ def engine_from_flags(argv: Sequence[str]):
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     enable_jit_cache(f.jit_cache)
     target_path, draft_path = resolve_paths(f.target, f.draft)
-    ecfg = engine_config(f, max_ctx=f.max_ctx)
+    ecfg, kcfg = resolve_flags(f)
     if f.n_gen >= f.max_ctx:
         raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
-    models = load_models(target_path, draft_path, f.mode, mgpu=f.mgpu)
+    models = load_models(target_path, draft_path, f.mode, kcfg)
     return Engine.from_loaded(models.target, models.draft, ecfg), models, target_path
 
 
@@ -305,9 +279,9 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_integer("n_gen", n_gen, n_gen_help, lower_bound=min(n_gen, 1))
     flags.DEFINE_enum("mode", "ddtree", ["ar", "chain", "ddtree"], "Decoding: autoregressive, the draft's block "
                       "as a chain, or a DDTree.")
-    flags.DEFINE_integer("budget", None, f"DDTree nodes besides the root (default: {GPU_BUDGET} on a GPU, as the "
-                         f"C++ engine; {CPU_BUDGET} on a CPU, where verifying a node costs a large part of an AR "
-                         "step).", lower_bound=1)
+    flags.DEFINE_integer("budget", None, f"DDTree nodes besides the root (default: {DEVICE_DEFAULTS['gpu'].budget} "
+                         f"on a GPU, as the C++ engine; {DEVICE_DEFAULTS['cpu'].budget} on a CPU, where verifying a "
+                         "node costs a large part of an AR step).", lower_bound=1)
     flags.DEFINE_integer("topk", 8, "DDTree candidates per depth.", lower_bound=1)
     flags.DEFINE_boolean("chain_seed", None, "Seed the DDTree with the draft's top-1 chain before best-first "
                          "expansion, as the C++ engine does (default: when the budget exceeds the draft's depth; "
@@ -315,9 +289,10 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_integer("max_ctx", max_ctx, max_ctx_help, lower_bound=0)
     flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")
+    flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV cache dtype (default: bfloat16 on a GPU, float32 on a "
+                      "CPU).")
     flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K and Q6_K products of 2-64 tokens (verify, "
-                         "prefill, the drafter's head) on the Mosaic GPU kernels (the DDTree step 1.3x faster with "
-                         "Q4_K's on an H200, then 1.14x with Q6_K's too on an H100). Their layout replaces the weights' "
+                         "prefill, the drafter's head) on the Mosaic GPU kernels. Their layout replaces the weights' "
                          "for chain and ddtree; ar keeps both (a second copy in device memory) for its one-token GEMV. "
                          "Default: on for chain and ddtree on a Hopper GPU, else off (--nomgpu).")
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "

@@ -21,14 +21,14 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from dflash_jax.config import (ConfigError, DraftConfig, TargetConfig, draft_config_from_hf, read_json,
+from dflash_jax.config import (ConfigError, DraftConfig, KernelConfig, TargetConfig, draft_config_from_hf, read_json,
                                target_config_from_hf)
 from dflash_jax.gguf import GGUFModel, tensor_specs
+from dflash_jax.kernels import REFERENCE, prepare_matrices, prepare_matrix
 from dflash_jax.models.draft import check_pair
 from dflash_jax.models.draft import params_from_tensors as draft_params_from_tensors
 from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
 from dflash_jax.models.target import params_from_tensors
-from dflash_jax.kernels import prepare_matrices, prepare_matrix, resolve_impl
 from dflash_jax.quant import QTensor
 from dflash_jax.weights import iter_hf_to_gguf
 
@@ -45,28 +45,26 @@ class LoadError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A loaded target: its config, the parameter pytree on the device, and where it came from."""
+    """A loaded target: its config, the parameter pytree on the device, where it came from, and the kernel
+    configuration its matrices are laid out for (every engine built on it runs that configuration)."""
 
     config: TargetConfig
     params: dict
     path: str
     gguf: GGUFModel | None  # the open file (tokenizer metadata lives there); None for an HF directory
-    impl: str = "reference"  # the kernel set its matrices are laid out for and its layers run (dflash_jax.kernels)
+    kcfg: KernelConfig = REFERENCE
 
 
-def load_target(path: str | os.PathLike, *, progress: bool = True, impl: str = "auto") -> Target:
-    """A target from a GGUF file or an HF `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory.
-
-    impl: `reference`, `pallas` (quantized matrices repacked for the Pallas kernels as they load) or `auto`
-    (pallas on a GPU).
-    """
+def load_target(path: str | os.PathLike, *, progress: bool = True, kcfg: KernelConfig = REFERENCE) -> Target:
+    """A target from a GGUF file or an HF `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory,
+    its quantized matrices repacked for `kcfg`'s kernels as they load (`dflash_jax.defaults.resolve_kernels` gives the
+    device's configuration; the default is the reference path)."""
     path = os.fspath(path)
-    impl = resolve_impl(impl)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
-    target = _load_hf_dir(path, progress) if os.path.isdir(path) else _load_gguf(path, progress, impl)
+    target = _load_hf_dir(path, progress) if os.path.isdir(path) else _load_gguf(path, progress, kcfg)
     # the embedding is read by row and stays a QTensor; a tied lm_head gets its own packed copy here
-    return dataclasses.replace(target, params=prepare_matrices(target.params, impl, skip=("embed",)), impl=impl)
+    return dataclasses.replace(target, params=prepare_matrices(target.params, kcfg, skip=("embed",)), kcfg=kcfg)
 
 
 def _bar(total: int, path: str, progress: bool):
@@ -78,7 +76,7 @@ def _on_device(x: QTensor | np.ndarray):
     return jax.tree.map(jnp.asarray, x)
 
 
-def _load_gguf(path: str, progress: bool, impl: str) -> Target:
+def _load_gguf(path: str, progress: bool, kcfg: KernelConfig) -> Target:
     model = GGUFModel(path)
     cfg = model.config
     # MTP blocks (blk.N and up) are not used by the engine: skip their bytes.
@@ -88,7 +86,7 @@ def _load_gguf(path: str, progress: bool, impl: str) -> Target:
         for name in names:
             x = _on_device(model.load(name))
             # repacked one at a time, so the GGUF layout of only one tensor is on the device at once
-            tensors[name] = x if name == "token_embd.weight" else prepare_matrix(x, impl)
+            tensors[name] = x if name == "token_embd.weight" else prepare_matrix(x, kcfg)
             bar.update(model.tensors[name].nbytes)
     return Target(cfg, params_from_tensors(cfg, tensors), path, model)
 
@@ -172,9 +170,11 @@ class Draft:
     path: str
 
 
-def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool = True, impl: str = "auto") -> Draft:
+def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool = True,
+               kcfg: KernelConfig = REFERENCE) -> Draft:
     """A z-lab DFlash drafter (a directory with config.json and model.safetensors, or the .safetensors file
-    beside its config.json), checked against the target it will draft for; `impl` as for load_target."""
+    beside its config.json), checked against the target it will draft for; `kcfg` as for load_target (the
+    target's: the drafter runs with the target's kernels)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
@@ -218,4 +218,4 @@ def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool 
                     x = x.astype(np.float32)
                 tensors[name] = _on_device(x)
                 bar.update(nbytes[name])
-    return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), impl), path)
+    return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), kcfg), path)

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.config import KV_DTYPES
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
-from dflash_jax.engine.state import init_state
 from dflash_jax.load import Target
+from dflash_jax.models.target import init_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +50,14 @@ def read_ids(spec: str, flag: str = "--ids") -> np.ndarray:
     return ids
 
 
-def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> Score:
-    """Teacher-forced logits of every position of ids (float32 KV cache, the reference precision)."""
+def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_dtype: str = "float32") -> Score:
+    """Teacher-forced logits of every position of ids (a float32 KV cache by default, the reference precision)."""
     cfg = model.config
     ids = check_tokens(cfg, ids)
-    state = init_state(cfg, slots=-(-len(ids) // chunk) * chunk, kv_dtype=jnp.float32)
+    state = init_state(cfg, slots=-(-len(ids) // chunk) * chunk, kv_dtype=jnp.dtype(kv_dtype))
     logits = []
     for _, lg, _, state in prefill_chunks(model.params, cfg, state, ids, chunk=chunk, all_logits=True,
-                                          impl=model.impl):
+                                          kcfg=model.kcfg):
         logits.append(np.asarray(lg, np.float32))  # to the host chunk by chunk: [n, V] can be large
     logits = np.concatenate(logits)
     if len(ids) < 2:
@@ -69,6 +70,7 @@ def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK) -> Scor
 def main(argv: list[str]) -> int:
     from absl import app, flags, logging
 
+    from dflash_jax.defaults import resolve_engine, resolve_kernels
     from dflash_jax.load import load_target
     from dflash_jax.tokenizer import load_tokenizer
 
@@ -80,10 +82,12 @@ def main(argv: list[str]) -> int:
         raise app.UsageError("pass the tokens to score with --ids IDS.npy (or a comma-separated list) or --text")
     try:
         ids = read_ids(f.ids) if f.ids is not None else np.asarray(load_tokenizer(f.target).encode(f.text))
+        kv_dtype = resolve_engine(kv_dtype=f.kv_dtype).kv_dtype
         t0 = time.perf_counter()
-        model = load_target(f.target)
+        # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
+        model = load_target(f.target, kcfg=resolve_kernels("ddtree"))
         t1 = time.perf_counter()
-        result = score(model, ids, chunk=f.chunk)
+        result = score(model, ids, chunk=f.chunk, kv_dtype=kv_dtype)
         t2 = time.perf_counter()
     except (OSError, ValueError) as e:  # input errors, quant.Unsupported (a tensor type we cannot decode) included
         print(f"score: {e}", file=sys.stderr)
@@ -107,4 +111,6 @@ if __name__ == "__main__":
     flags.DEFINE_string("text", None, "Text to score, tokenized as is (special tokens parsed, no chat template).")
     flags.DEFINE_string("out", None, "Write the logits [n, vocab] float32 to this .npy file.")
     flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).")
+    flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV cache dtype (default: bfloat16 on a GPU, float32 on a "
+                      "CPU).")
     app.run(lambda argv: sys.exit(main(argv)))

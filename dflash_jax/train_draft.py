@@ -73,7 +73,7 @@ def run(argv: Sequence[str]) -> int:
     enable_jit_cache(f.jit_cache)
     if not os.path.exists(f.target):
         raise UsageError(f"{f.target}: no such file or directory")
-    target = load_target(f.target, impl="reference")
+    target = load_target(f.target)  # the reference kernels: exact features, and differentiable
     tok = load_tokenizer(f.target)
     mask_id = tok.special.get(f.mask_token) if f.mask_token_id < 0 else f.mask_token_id
     if mask_id is None or not 0 <= mask_id < target.config.vocab_size:

@@ -29,22 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import (copy_rate, environment, fit_verify_cost, parse_options, qmatmul_defaults,  # noqa: E402
-                      set_qmatmul_defaults)
+from benchlib import add_engine_flags, copy_rate, engine_settings, environment, fit_verify_cost  # noqa: E402
 
-from dflash_jax import kernels  # noqa: E402
-from dflash_jax.config import MAX_TREE_NODES, EngineConfig  # noqa: E402
+from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
-from dflash_jax.engine.step import DFlashDrafter, emit_width, step_tree  # noqa: E402
+from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
 from dflash_jax.testing import synthetic  # noqa: E402
 from dflash_jax.testing.oracle import ForcedDrafter  # noqa: E402
 from dflash_jax.testing.tiny import tiny_draft_config, tiny_target_config  # noqa: E402
-from pallas_kernels import qmatmul as qm  # noqa: E402
-from pallas_kernels import qmatmul_mgpu  # noqa: E402
 
 NO_STOPS = ()
 
@@ -52,8 +48,9 @@ NO_STOPS = ()
 # ---------------------------------------------------------------------------------------------------------------
 # Models and memory
 
-def make_models(kind: str, impl: str, log=print):
-    """(target, draft, info) for `27b` (synthetic full size) or `tiny`; info: seconds and bytes."""
+def make_models(kind: str, kcfg: KernelConfig, log=print):
+    """(target, draft, info) for `27b` (synthetic full size) or `tiny`, laid out for `kcfg` as load_target lays out a
+    real pair; info: seconds and bytes."""
     t0 = time.perf_counter()
     stored: dict[str, int] = {}
 
@@ -63,11 +60,11 @@ def make_models(kind: str, impl: str, log=print):
             log(f"  {len(stored)} tensors, {sum(stored.values()) / 1e9:.1f} GB")
 
     if kind == "27b":
-        target, draft = synthetic.synthetic_27b(impl=impl, on_tensor=progress)
+        target, draft = synthetic.synthetic_27b(kcfg, on_tensor=progress)
     else:
         cfg = tiny_target_config(num_layers=4, vocab_size=2048)  # 3 Gated DeltaNet layers, then attention
-        target = synthetic.synthetic_target(cfg, impl=impl, on_tensor=progress)
-        draft = synthetic.synthetic_draft(tiny_draft_config(cfg, block_size=16), impl=impl)
+        target = synthetic.synthetic_target(cfg, kcfg=kcfg, on_tensor=progress)
+        draft = synthetic.synthetic_draft(tiny_draft_config(cfg, block_size=16), kcfg=kcfg)
     jax.block_until_ready((target.params, draft.params))
     # the bytes one decode step streams: every matrix but the embedding table (read by row), in its GGUF size
     specs = tensor_specs(target.config)
@@ -85,19 +82,16 @@ def memory() -> dict:
     return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
 
 
-def engine_for(target, draft, mode: str, budget: int = 22, max_ctx: int = 4096, forced: bool = False,
-               topk: int = 8, chain_seed: bool = True, kv_dtype: str = "bfloat16") -> Engine:
-    """An engine over the loaded pair; forced wraps the drafter in ForcedDrafter (params set by `forced_params`)."""
-    ecfg = EngineConfig(mode=mode, budget=budget, topk=topk, chain_seed=chain_seed, max_ctx=max_ctx,
-                        kv_dtype=kv_dtype)
-    if mode == "ar":
-        return Engine(target.config, target.params, ecfg, impl=target.impl)
-    drafter = DFlashDrafter(draft.config, target.impl)
-    if forced:
-        return Engine(target.config, target.params, ecfg, ForcedDrafter(drafter, target.config.vocab_size),
+def engine_for(target, draft, ecfg: EngineConfig, forced: bool = False) -> Engine:
+    """An engine over the loaded pair, as the commands build theirs (Engine.from_loaded); forced wraps the drafter in
+    ForcedDrafter (params set by `forced_params`)."""
+    engine = Engine.from_loaded(target, None if ecfg.mode == "ar" else draft, ecfg)
+    if forced and ecfg.mode != "ar":
+        drafter = ForcedDrafter(engine.drafter, target.config.vocab_size)
+        return Engine(target.config, target.params, ecfg, drafter,
                       {"real": draft.params, "sequence": jnp.zeros(1, jnp.int32), "error_rate": jnp.float32(0)},
-                      impl=target.impl)
-    return Engine(target.config, target.params, ecfg, drafter, draft.params, impl=target.impl)
+                      kcfg=target.kcfg)
+    return engine
 
 
 def forced_params(engine: Engine, draft, prompt_len: int, continuation: list[int], error_rate: float) -> dict:
@@ -153,21 +147,21 @@ def _step_limit(steps: int):
 def phase_times(engine: Engine, state, iters: int, only_verify: bool = False) -> dict:
     """Each phase of one DDTree/chain step jitted alone, in ms: draft, tree build, verify, accept + commit (the
     target's commit and the drafter's context extend). The state is donated and threaded through."""
-    tcfg, tp, dp, impl = engine.tcfg, engine.tparams, engine.dparams, engine.impl
+    tcfg, tp, dp, kcfg = engine.tcfg, engine.tparams, engine.dparams, engine.kcfg
     drafter, ecfg = engine.drafter, engine.ecfg
     width = emit_width(ecfg, drafter.block_size)
     taps = drafter.taps
     draft_fn = jax.jit(lambda dp, ds, tp, root, pos: drafter.propose(dp, ds, tp, root, pos, width - 1))
     build_fn = jax.jit(functools.partial(step_tree, ecfg))
     verify_fn = jax.jit(lambda tp, ts, tokens, parents: target_model.verify(tp, tcfg, ts, tokens, parents, taps,
-                                                                            impl), donate_argnums=(1,))
+                                                                            kcfg), donate_argnums=(1,))
 
     def accept_commit(dp, carry, verified, tlogits, tapped, tree):
         ts, ds = carry
         posterior = jnp.argmax(tlogits, axis=-1).astype(jnp.int32)
         accepted = tree_lib.accept(tree, verified.block.anc, posterior, jnp.int32(10 ** 6), jnp.full(8, -1))
         leaf = jnp.argmax(tree.depths).astype(jnp.int32)  # commit the deepest path: the cost of a long acceptance
-        ts = target_model.commit(ts, verified, leaf, impl)
+        ts = target_model.commit(ts, verified, leaf, kcfg)
         path = target_model.path_nodes(verified.block, leaf, width)
         ds = drafter.extend(dp, ds, tapped[path], tree.depths[leaf] + 1)
         return (ts, ds), accepted
@@ -299,12 +293,12 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", default=None, metavar="FILE:SECTIONS",
                     help="write one results file from earlier runs' files instead of running (see merge())")
     ap.add_argument("--model", choices=["27b", "tiny"], default="27b")
-    ap.add_argument("--impl", default="auto")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
     ap.add_argument("--budgets", default="22,4,8,16,32,48,63")
     ap.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True, help="time the chain too")
     ap.add_argument("--als", default="4,6.14,7.04,8.31,12", help="acceptance lengths for the forced runs")
-    ap.add_argument("--forced_budget", type=int, default=22)
+    ap.add_argument("--forced_budget", type=int, default=None, help="the forced runs' DDTree budget (default: the "
+                    "engine's, --budget)")
     ap.add_argument("--step_error_rate", type=float, default=0,
                     help="forced error rate of the per-budget rows (0: the one calibrated for AL 8.31, else 0.1)")
     ap.add_argument("--prompt_len", type=int, default=512)
@@ -312,81 +306,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed at long contexts")
     ap.add_argument("--iters", type=int, default=10, help="calls per phase timing (median)")
     ap.add_argument("--max_ctx", type=int, default=4096)
-    ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree-22 steps at")
-    ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree-22 steps here")
+    ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree steps at")
+    ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree steps here")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
-    ap.add_argument("--one_token", choices=["gemv", "tensor_cores"], default="gemv",
-                    help="qmatmul's kernel for one-token products (tensor_cores: the M > 1 kernel, to compare)")
-    ap.add_argument("--dequant", choices=["ptx", "jnp"], default=None,
-                    help="how the tensor-core kernel dequantizes Q4_K/Q6_K tiles (default: qmatmul.ASM; jnp: "
-                         "without the inline PTX, to compare)")
-    ap.add_argument("--gemv_dequant", choices=["ptx", "jnp"], default=None,
-                    help="how the one-token GEMV dequantizes Q4_K/Q6_K tiles (default: qmatmul.ASM; jnp: without "
-                         "the inline PTX, to compare)")
-    ap.add_argument("--prefetch", default="", metavar="gemv=D,mma=D",
-                    help="K steps qmatmul's kernels load ahead (default: qmatmul.PREFETCH), to compare")
-    ap.add_argument("--int8_x", type=int, choices=qm.INT8_X_MODES, default=None,
-                    help="one-token Q4_K/Q6_K products with x quantized to int8: 0 off, 1 before the kernel, 2 in it "
-                         "(default: qmatmul.INT8_X)")
-    ap.add_argument("--int8_mma", type=int, choices=(0, 1), default=None,
-                    help="products of 2+ tokens of Q4_K weights as int8 tensor-core products (default: "
-                         "qmatmul.INT8_MMA)")
-    ap.add_argument("--wgmma", type=int, choices=(0, 1), default=None,
-                    help="the tensor-core kernel with weight rows first in its products (Hopper's wgmma; default: "
-                         "qmatmul.WGMMA)")
-    ap.add_argument("--mgpu", type=int, choices=(0, 1, 2), default=None,
-                    help="1: Q4_K weights also packed for the Mosaic GPU kernel, which then takes their products of "
-                         "2-64 tokens (qmatmul.MGPU_LAYOUT True; Hopper; the Q4_K quants are held twice); 2: in that "
-                         "layout alone, every Q4_K product on that kernel (MGPU_LAYOUT 'only', as generate --mgpu "
-                         "for chain and ddtree)")
-    ap.add_argument("--mgpu_order", choices=qmatmul_mgpu.ORDERS, default=None,
-                    help="how the Mosaic GPU layout orders each 32-column group's quants (qmatmul_mgpu.ORDER)")
-    ap.add_argument("--mgpu_nibbles", choices=qmatmul_mgpu.NIBBLES, default=None,
-                    help="how the Mosaic GPU kernel makes Q4_K weights of the nibbles (qmatmul_mgpu.NIBBLE)")
-    ap.add_argument("--mgpu_cols", type=int, choices=qmatmul_mgpu.WGMMA_COLS, default=None,
-                    help="columns of the weight a wgmma call of the Mosaic GPU kernels multiplies (qmatmul_mgpu.COLS)")
-    ap.add_argument("--mgpu_split_sum", choices=qmatmul_mgpu.SPLIT_SUMS, default=None,
-                    help="how the Mosaic GPU kernels' K splits are added (qmatmul_mgpu.SPLIT_SUM; tma_add is not "
-                         "deterministic)")
-    ap.add_argument("--mgpu_formats", nargs="+", choices=("Q4_K", "Q6_K"), default=None,
-                    help="the weight formats --mgpu packs for the Mosaic GPU kernels (qmatmul.MGPU_FORMATS; default "
-                         "Q4_K Q6_K)")
-    ap.add_argument("--small_rows", type=int, default=None,
-                    help="quantized matrices of fewer rows go to XLA's product as float32 (kernels.SMALL_ROWS; 0: "
-                         "every one to the kernels)")
-    ap.add_argument("--attn_tiles", default=None, metavar="ROWS,STAGES",
-                    help="tree attention's rows a program and pipeline stages for this run (default: the kernel's, "
-                         "tree_attention.default_block_rows and default_stages)")
-    args = ap.parse_args()
-    prefetch = parse_options(args.prefetch)
-    if set(prefetch) - set(qm.PREFETCH):
-        ap.error(f"--prefetch names {', '.join(set(prefetch) - set(qm.PREFETCH))}; the kernels are "
-                 f"{', '.join(qm.PREFETCH)}")
-    shipped = qmatmul_defaults()
-    # for this run only: the kernel variants asked for
-    qm.PREFETCH.update(prefetch)
-    qm.ASM.update({kernel: choice == "ptx" for kernel, choice in (("mma", args.dequant), ("gemv", args.gemv_dequant))
-                   if choice})
-    mgpu = None if args.mgpu is None else qm.MGPU_LAYOUTS[args.mgpu]
-    set_qmatmul_defaults({name: value for name, value in (("INT8_X", args.int8_x), ("INT8_MMA", args.int8_mma),
-                                                          ("WGMMA", args.wgmma), ("MGPU_LAYOUT", mgpu),
-                                                          ("ORDER", args.mgpu_order), ("NIBBLE", args.mgpu_nibbles),
-                                                          ("COLS", args.mgpu_cols), ("SMALL_ROWS", args.small_rows),
-                                                          ("SPLIT_SUM", args.mgpu_split_sum),
-                                                          ("MGPU_FORMATS", args.mgpu_formats and
-                                                           tuple(args.mgpu_formats)))
-                           if value is not None})
-    if args.one_token == "tensor_cores":
-        qm.qmatmul = functools.partial(shipped["qmatmul"], gemv=False)
-    attention = kernels._tree_attention_kernel
-    if args.attn_tiles:
-        rows, stages = (int(x) for x in args.attn_tiles.split(","))
-        kernels._tree_attention_kernel = functools.partial(attention, block_rows=rows, num_stages=stages)
-    try:
-        run(args)
-    finally:
-        set_qmatmul_defaults(shipped)
-        kernels._tree_attention_kernel = attention
+    add_engine_flags(ap)
+    run(ap.parse_args())
 
 
 def run(args: argparse.Namespace) -> None:
@@ -412,8 +336,11 @@ def run(args: argparse.Namespace) -> None:
     compiles = CompileLog().__enter__()
     res["copy_rate"] = copy_rate(1.0 if jax.default_backend() == "gpu" else 0.125)
     log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s")
-    target, draft, info = make_models(args.model, args.impl, log)
-    res["models"] = info | {"impl": target.impl, "memory_after_load": memory()}
+    base, kcfg = engine_settings(args)  # what `generate` runs with the same flags (a DDTree; AR rows below)
+    res["engine"], res["kernels"] = dataclasses.asdict(base), dataclasses.asdict(kcfg)
+    log(f"{kcfg.describe()}; {base.kv_dtype} KV cache, DDTree budget {base.budget}")
+    target, draft, info = make_models(args.model, kcfg, log)
+    res["models"] = info | {"memory_after_load": memory()}
     log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "
         f"drafter {info['draft_device_bytes'] / 1e9:.2f} GB; {res['models']['memory_after_load']}")
     save()
@@ -426,7 +353,7 @@ def run(args: argparse.Namespace) -> None:
         res["compiled_memory"] = []
         for ctx in [args.max_ctx] + [int(x) for x in args.long.split(",") if x]:
             for mode in ("ar", "ddtree"):
-                engine = engine_for(target, draft, mode, 22, ctx)
+                engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, _ = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row = dict(context=ctx, mode=mode, state_bytes=synthetic.tree_bytes(state),
                            **compiled_memory(engine.step, engine.tparams, engine.dparams, state,
@@ -439,19 +366,21 @@ def run(args: argparse.Namespace) -> None:
     if not sections & {"ar", "forced", "steps", "long"}:
         return finish(res, compiles, save, t_start)
     if sections & {"ar", "forced", "steps"}:  # the forced runs follow the AR's greedy continuation
-        sequence, ar_ms = time_ar(args, target, draft, prompt, floor_ms, res, log)
+        sequence, ar_ms = time_ar(args, engine_for(target, draft, dataclasses.replace(base, mode="ar")), prompt,
+                                  floor_ms, res, log)
         save()
 
     # Forced acceptance at DDTree-22: tokens/s at each acceptance length
     rate_for_steps = args.step_error_rate or 0.1
     if "forced" in sections:
         res["forced"], res["forced_tries"] = [], []
-        engine = engine_for(target, draft, "ddtree", args.forced_budget, args.max_ctx, forced=True)
+        forced_budget = args.forced_budget or base.budget
+        engine = engine_for(target, draft, dataclasses.replace(base, budget=forced_budget), forced=True)
         for goal in [float(a) for a in args.als.split(",") if a]:
             if over():
                 break
             row, tries, sequence = calibrate(engine, draft, prompt, sequence, goal, args.n_gen)
-            row.update(budget=args.forced_budget, speedup=row["tokens_per_s"] / res["ar"]["tokens_per_s"])
+            row.update(budget=forced_budget, speedup=row["tokens_per_s"] / res["ar"]["tokens_per_s"])
             res["forced"].append(row)
             res["forced_tries"].append(tries)
             if goal == 8.31 and not args.step_error_rate:
@@ -464,7 +393,7 @@ def run(args: argparse.Namespace) -> None:
             tracer = StepTrace(args.profile, steps=8)
             engine.generate(prompt, args.n_gen, NO_STOPS, on_tokens=tracer)
             tracer.close()
-            log(f"profile of 8 DDTree-22 steps written to {args.profile}")
+            log(f"profile of 8 DDTree-{forced_budget} steps written to {args.profile}")
 
     res["memory_after_max_ctx_runs"] = memory()
 
@@ -477,7 +406,7 @@ def run(args: argparse.Namespace) -> None:
             ctx = length + 512  # room for the timed commits past the faked length
             row = dict(context=length)
             for mode in ("ar", "ddtree"):
-                engine = engine_for(target, draft, mode, 22, ctx)
+                engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row[f"{mode}_state_bytes"] = synthetic.tree_bytes(state)
                 if mode == "ddtree":
@@ -488,8 +417,8 @@ def run(args: argparse.Namespace) -> None:
             row["memory"] = memory()
             row["ddtree_over_ar"] = row["ddtree_step_ms"] / row["ar_step_ms"]
             res["long"].append(row)
-            log(f"context {length}: AR step {row['ar_step_ms']:.2f} ms, DDTree-22 step {row['ddtree_step_ms']:.2f} "
-                f"ms; {row['memory']}")
+            log(f"context {length}: AR step {row['ar_step_ms']:.2f} ms, DDTree-{base.budget} step "
+                f"{row['ddtree_step_ms']:.2f} ms; {row['memory']}")
             save()
     # Per-phase step times for each budget (and the chain), forced at one error rate, beside the fused step
     if "steps" in sections:
@@ -499,7 +428,7 @@ def run(args: argparse.Namespace) -> None:
             if over():
                 log("time limit: skipping the remaining budgets")
                 break
-            engine = engine_for(target, draft, mode, budget, args.max_ctx, forced=True)
+            engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, budget=budget), forced=True)
             engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
             state, first = engine.start(prompt, args.max_ctx - len(prompt), NO_STOPS)
             phases = phase_times(engine, state, args.iters)
@@ -518,11 +447,10 @@ def run(args: argparse.Namespace) -> None:
     finish(res, compiles, save, t_start)
 
 
-def time_ar(args: argparse.Namespace, target, draft, prompt: list[int], floor_ms: float, res: dict,
+def time_ar(args: argparse.Namespace, ar: Engine, prompt: list[int], floor_ms: float, res: dict,
             log) -> tuple[list[int], float]:
     """AR time to first token (cold: with compiling, then warm) and decode rate against the roofline, into
     res["ar"]; its greedy continuation and step ms."""
-    ar = engine_for(target, draft, "ar", max_ctx=args.max_ctx)
     t0 = time.perf_counter()
     gen = ar.generate(prompt, 2, NO_STOPS)
     cold = time.perf_counter() - t0

@@ -6,6 +6,7 @@ enough work in one call (many layers' weights, several times the L2) that dispat
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import glob
 import platform
@@ -16,37 +17,31 @@ import time
 import jax
 import jax.numpy as jnp
 
-
-# the module-level kernel choices and tiles of qmatmul (and of qmatmul_mgpu: ORDER, NIBBLE, COLS, SPLIT_SUM; of dflash_jax.kernels:
-# SMALL_ROWS), which a benchmark may change for one run
-QMATMUL_DEFAULTS = ("PREFETCH", "ASM", "INT8_X", "GEMV_INT8_TILES", "INT8_MMA", "MMA_INT8_TILES", "WGMMA", "MMA_STAGES",
-                    "X_VIEW", "TILE_MATH", "MGPU", "MGPU_LAYOUT", "MGPU_FORMATS", "ORDER", "NIBBLE", "COLS",
-                    "SPLIT_SUM", "SMALL_ROWS", "qmatmul")
+from dflash_jax.config import IMPLS, KV_DTYPES, EngineConfig, KernelConfig
+from dflash_jax.generate import resolve_flags
 
 
-def _module_of(name: str):
-    """The module that holds default `name`: qmatmul, qmatmul_mgpu or dflash_jax.kernels."""
-    from dflash_jax import kernels
-    from pallas_kernels import qmatmul as qm
-    from pallas_kernels import qmatmul_mgpu as mg
+def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
+    """The decoding and kernel flags of a benchmark, named as `generate`'s: unset, each takes the device class's
+    default (dflash_jax/defaults.py), so that with no flags a benchmark runs what a user runs."""
+    ap.set_defaults(mode=mode)
+    ap.add_argument("--budget", type=int, default=None, help="DDTree budget (default: the device's, as generate)")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--chain_seed", action=argparse.BooleanOptionalAction, default=None,
+                    help="seed the DDTree with the draft's top-1 chain (default: when the budget exceeds its depth)")
+    ap.add_argument("--kv_dtype", choices=KV_DTYPES, default=None, help="KV cache dtype (default: the device's)")
+    ap.add_argument("--impl", choices=("auto",) + IMPLS, default="auto",
+                    help="kernels: auto (the device's), reference, pallas (interpret mode on a CPU)")
+    ap.add_argument("--mgpu", action=argparse.BooleanOptionalAction, default=None,
+                    help="Q4_K/Q6_K matrices in the Mosaic GPU layout (default: the device's; Hopper only)")
+    ap.add_argument("--small_rows", type=int, default=None,
+                    help="quantized matrices of fewer rows go to XLA's product as float32 (default: KernelConfig's)")
 
-    return next(module for module in (qm, mg, kernels) if hasattr(module, name))
 
-
-def qmatmul_defaults() -> dict:
-    """A copy of the kernel defaults (`QMATMUL_DEFAULTS`), for `set_qmatmul_defaults` to put back."""
-    return {name: dict(v) if isinstance(v := getattr(_module_of(name), name), dict) else v
-            for name in QMATMUL_DEFAULTS}
-
-
-def set_qmatmul_defaults(defaults: dict) -> None:
-    """Set the kernel defaults named in `defaults` (dicts updated in place, as the kernels read them)."""
-    for name, value in defaults.items():
-        module = _module_of(name)
-        if isinstance(getattr(module, name), dict):
-            getattr(module, name).update(value)
-        else:
-            setattr(module, name, value)
+def engine_settings(args: argparse.Namespace) -> tuple[EngineConfig, KernelConfig]:
+    """The engine and kernel configuration of `add_engine_flags`' flags, by the function `generate`, `chat` and
+    `serve` resolve theirs with."""
+    return resolve_flags(args, impl=args.impl, small_rows=args.small_rows)
 
 
 def median_seconds(fn, *args, iters: int = 10) -> float:
@@ -109,8 +104,8 @@ def kernel_seconds(fn, *args, calls: int = 3) -> float:
 
 
 def parse_options(text: str) -> dict[str, int | str]:
-    """`KEY=VALUE,KEY=VALUE` (e.g. `prefetch=1,tile_math=f16x2`) as a dict, integers where they parse; an empty
-    string gives {}."""
+    """`KEY=VALUE,KEY=VALUE` (e.g. `block_n=64,num_warps=8`) as a dict, integers where they parse; an empty string
+    gives {}."""
     return {key: int(value) if value.lstrip("-").isdigit() else value
             for key, value in (item.split("=") for item in text.split(",") if item)}
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import environment, qmatmul_defaults, set_qmatmul_defaults  # noqa: E402
 
 from dflash_jax.engine.prefill import prefill_chunks  # noqa: E402
-from dflash_jax.engine.state import init_state  # noqa: E402
+from dflash_jax.models.target import init_state  # noqa: E402
 from dflash_jax.load import load_target  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
 

@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.config import KernelConfig
 from dflash_jax.engine.prefill import prefill
-from dflash_jax.engine.state import init_state
 from dflash_jax.load import LoadError, load_draft, load_target
 from dflash_jax.models import draft as D
+from dflash_jax.models.target import init_state
 
 from conftest import TINY
 
-propose = jax.jit(D.propose, static_argnums=(1,), static_argnames=("impl",))
+propose = jax.jit(D.propose, static_argnums=(1,), static_argnames=("kcfg",))
 extend = jax.jit(D.extend_context, static_argnums=(1,))
 
 
@@ -25,12 +26,13 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def target(tiny_gguf_path):
-    return load_target(tiny_gguf_path, progress=False, impl="reference")
+    return load_target(tiny_gguf_path, progress=False)
 
 
 @pytest.mark.parametrize("impl,tol", [("reference", 1e-4), ("pallas", 2e-2)])  # pallas: bf16 attention products
 @pytest.mark.parametrize("name", ["draft-full", "draft-swa"])
 def test_drafter_matches_z_lab_reference_with_its_context_cache(target, name, impl, tol):
+    kcfg = KernelConfig(impl=impl, interpret=impl == "pallas")
     draft = load_draft(TINY / name, target.config, progress=False)
     cfg, ref = draft.config, np.load(TINY / name / "ref.npz")
     state = D.init_draft_state(cfg, 40)
@@ -40,7 +42,7 @@ def test_drafter_matches_z_lab_reference_with_its_context_cache(target, name, im
         state = extend(draft.params, cfg, state, taps, jnp.int32(len(hidden)))
         block = ref[prefix + "block_ids"]
         assert list(block[1:]) == [cfg.mask_token_id] * (cfg.block_size - 1)
-        h, logits = propose(draft.params, cfg, state, target.params, jnp.int32(block[0]), impl=impl)
+        h, logits = propose(draft.params, cfg, state, target.params, jnp.int32(block[0]), kcfg=kcfg)
         assert rel(h, ref[prefix + "draft_hidden"]) < tol
         assert rel(logits, ref[prefix + "draft_logits"]) < tol
     assert int(state.length) == 23

@@ -47,7 +47,10 @@ def test_default_pair_streams_text_and_stats(jit_cache):
     raw = generate("--prompt", "def fibonacci(n):", "--n_gen", "12", "--json", jit_cache=jit_cache)
     out = json.loads(raw.stdout)
     assert (out["budget"], out["topk"], out["chain_seed"]) == (8, 8, False)
-    assert out["mgpu_layout"] is False  # a CPU: no Mosaic GPU kernel
+    # the configuration it ran, as dflash_jax/defaults.py resolves it for a CPU
+    assert (out["device_class"], out["kv_dtype"]) == ("cpu", "float32")
+    assert out["kernels"] == {"impl": "reference", "interpret": False, "mgpu": "off", "small_rows": 64}
+    assert "reference kernels (jnp and XLA); float32 KV cache" in proc.stderr
     from dflash_jax.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(assets.DEFAULT_TARGET)
     assert out["text"] == tok.decode([t for t in out["tokens"] if t not in tok.stop_ids])
@@ -85,7 +88,8 @@ def _other_arch(tiny_gguf_path, tmp_path):
     (lambda g, t: ["--prompt", "   "], "empty prompt"),
     (lambda g, t: ["--profile", "", "--prompt", "hi"], "--profile needs a directory"),
     (lambda g, t: ["--profile", str(g), "--prompt", "hi"], "exists and is not a directory"),
-    (lambda g, t: ["--target", str(g), "--mode", "ar", "--mgpu", "--prompt", "hi"], "--mgpu needs a Hopper GPU"),
+    (lambda g, t: ["--target", str(g), "--mode", "ar", "--mgpu", "--prompt", "hi"], r"\(--mgpu\) needs a Hopper GPU"),
+    (lambda g, t: ["--kv_dtype", "fp8", "--prompt", "hi"], "flag --kv_dtype=fp8"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tiny_gguf_path, tmp_path, args, message):
     import re
@@ -106,24 +110,7 @@ def test_the_shipped_pair_fits_its_limits():
     sizes = {p.name: p.stat().st_size for p in files}
     assert set(sizes) == {"target.gguf", "config.json", "model.safetensors"}
     assert max(sizes.values()) < 16 << 20 and sum(sizes.values()) <= 30e6, sizes
-    target = load_target(assets.DEFAULT_TARGET, progress=False, impl="reference")
-    draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False, impl="reference")
+    target = load_target(assets.DEFAULT_TARGET, progress=False)
+    draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False)
     assert target.config.tie_word_embeddings and draft.config.block_size == 16
     assert draft.config.mask_token_id == Tokenizer.from_gguf(assets.DEFAULT_TARGET).special["<|mask|>"]
-
-
-@pytest.mark.parametrize("hopper", [False, True])
-def test_mosaic_layout_is_on_by_default_for_the_speculative_modes_on_hopper(monkeypatch, hopper):
-    """--mgpu unset: the Mosaic GPU layout alone for chain and ddtree where the GPU runs it, none for ar (whose
-    one-token products take the GEMV); --mgpu: ar keeps both layouts; --nomgpu: none; --mgpu off Hopper: an error."""
-    from dflash_jax.generate import UsageError, mgpu_layout
-    from pallas_kernels import qmatmul_mgpu
-
-    monkeypatch.setattr(qmatmul_mgpu, "available", lambda: hopper)
-    assert [mgpu_layout(mode, None) for mode in ("ar", "chain", "ddtree")] == [False] + ["only" if hopper else False] * 2
-    assert [mgpu_layout(mode, False) for mode in ("ar", "chain", "ddtree")] == [False] * 3
-    if hopper:
-        assert [mgpu_layout(mode, True) for mode in ("ar", "chain", "ddtree")] == [True, "only", "only"]
-    else:
-        with pytest.raises(UsageError, match="Hopper"):
-            mgpu_layout("ddtree", True)

@@ -8,9 +8,9 @@ import torch
 from gguf import GGMLQuantizationType as GT
 
 from dflash_jax.engine.prefill import prefill_chunks
-from dflash_jax.engine.state import init_state
 from dflash_jax.load import load_target
 from dflash_jax.models import target as T
+from dflash_jax.models.target import init_state
 from dflash_jax.testing.gguf_writer import uniform_rule, write_hf_as_gguf
 from dflash_jax.testing.tiny import hf_reference_model, random_hf_state_dict, tiny_target_config, write_hf_dir
 
@@ -55,10 +55,10 @@ def test_prefill_and_decode_match_transformers(reference, source, tmp_path):
     cfg, weights, seq, want = reference
     if source == "hf_dir":
         write_hf_dir(tmp_path / "hf", cfg, weights)
-        model = load_target(tmp_path / "hf", progress=False, impl="reference")
+        model = load_target(tmp_path / "hf", progress=False)
     else:
         write_hf_as_gguf(tmp_path / "m.gguf", weights, cfg, types=uniform_rule(GT.F32))
-        model = load_target(tmp_path / "m.gguf", progress=False, impl="reference")
+        model = load_target(tmp_path / "m.gguf", progress=False)
     assert model.config == cfg
     params = model.params
     state = init_state(cfg, slots=PROMPT + DECODE)

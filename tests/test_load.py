@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from dflash_jax.config import KernelConfig
 from dflash_jax.engine.prefill import InputError, prefill, prefill_chunks
-from dflash_jax.engine.state import init_state
 from dflash_jax.load import LoadError, load_target
+from dflash_jax.models.target import init_state
 from dflash_jax.quant import QTensor
 from dflash_jax.testing.gguf_writer import write_hf_as_gguf
 from dflash_jax.testing.tiny import random_hf_state_dict, tiny_target_config, write_hf_dir
@@ -49,11 +50,12 @@ def test_bf16_directory_keeps_bf16_matrices_and_matches_f32_of_the_same_values(w
     write_hf_dir(tmp_path / "f32", CFG, rounded)
     bf16, f32 = load_target(tmp_path / "bf16", progress=False), load_target(tmp_path / "f32", progress=False)
     wq = bf16.params["layers"][1]["wq"]
-    if bf16.impl == "pallas":  # kept in the stored precision for XLA's product
+    if bf16.kcfg.impl == "pallas":  # kept in the stored precision for XLA's product
         assert isinstance(wq, QTensor) and wq.fmt == "BF16" and wq.data["w"].dtype == jnp.bfloat16
     else:  # a small model on the reference path: widened once at load (kernels.prepare_matrices)
         assert wq.dtype == jnp.float32
-        stored = load_target(tmp_path / "bf16", progress=False, impl="pallas").params["layers"][1]["wq"]
+        pallas = KernelConfig(impl="pallas", interpret=True)
+        stored = load_target(tmp_path / "bf16", progress=False, kcfg=pallas).params["layers"][1]["wq"]
         assert stored.fmt == "BF16" and stored.data["w"].dtype == jnp.bfloat16
         np.testing.assert_array_equal(wq, np.asarray(stored.data["w"], np.float32))
     assert bf16.params["layers"][0]["attn_norm"].dtype == jnp.float32  # norms (+1 folded in) stay float32
@@ -215,7 +217,7 @@ def test_score_cli_text_goes_through_the_gguf_tokenizer(tiny_gguf_path):
 def test_reference_matrices_are_dequantized_once_when_they_fit(tiny_gguf_path):
     """kernels.prepare_matrices on the reference path: each stored matrix becomes the float32 array the product
     would dequantize at every call, unless together they pass the limit; the embedding (read by row) is left."""
-    from dflash_jax.kernels import prepare_matrices
+    from dflash_jax.kernels import REFERENCE, prepare_matrices
     from dflash_jax.quant import dequantize
 
     from dflash_jax.gguf import GGUFModel
@@ -223,9 +225,9 @@ def test_reference_matrices_are_dequantized_once_when_they_fit(tiny_gguf_path):
 
     model = GGUFModel(tiny_gguf_path)
     stored = params_from_tensors(model.config, {n: jax.tree.map(jnp.asarray, model.load(n)) for n in model.tensors})
-    dense = prepare_matrices(stored, "reference", skip=("embed",))
+    dense = prepare_matrices(stored, REFERENCE, skip=("embed",))
     assert isinstance(dense["embed"], QTensor) and not any(
         isinstance(x, QTensor) for x in jax.tree.leaves(dense["layers"], is_leaf=lambda x: isinstance(x, QTensor)))
     wq, qt = dense["layers"][3]["wq"], stored["layers"][3]["wq"]
     np.testing.assert_array_equal(wq, dequantize(qt))
-    assert prepare_matrices(stored, "reference", dense_limit=1000) is stored
+    assert prepare_matrices(stored, REFERENCE, dense_limit=1000) is stored

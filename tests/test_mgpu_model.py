@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, load_draft_config, load_target_config
-from dflash_jax.engine.state import init_state
+from dflash_jax.models.target import init_state
 from dflash_jax.engine.generate import Engine, EngineConfig
 from dflash_jax.engine.step import DFlashDrafter, step_tree
 from dflash_jax.models import target as T

@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY
 from dflash_jax import kernels, quant
 from dflash_jax.engine.prefill import prefill_chunks
-from dflash_jax.engine.state import init_state
+from dflash_jax.models.target import init_state
 from dflash_jax.load import load_target
 from dflash_jax.testing.random_weights import random_qtensor
 from pallas_kernels import qmatmul as qm

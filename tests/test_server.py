@@ -48,7 +48,7 @@ class Server:
         from dflash_jax.server.worker import Worker
         from dflash_jax.tokenizer import load_tokenizer
 
-        target = load_target(tiny_gguf_path, progress=False, impl="reference")
+        target = load_target(tiny_gguf_path, progress=False)
         draft = load_draft(TINY / "draft-full", target.config, progress=False)
         self.tok = load_tokenizer(tiny_gguf_path)
         self.engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX))

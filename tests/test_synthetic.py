@@ -23,8 +23,8 @@ CFG = tiny_target_config(num_layers=4, vocab_size=512)
 @pytest.fixture(scope="module")
 def pair():
     stored = {}
-    target = synthetic.synthetic_target(CFG, impl="reference", on_tensor=lambda n, b: stored.__setitem__(n, b))
-    draft = synthetic.synthetic_draft(tiny_draft_config(CFG, block_size=8), impl="reference")
+    target = synthetic.synthetic_target(CFG, on_tensor=lambda n, b: stored.__setitem__(n, b))
+    draft = synthetic.synthetic_draft(tiny_draft_config(CFG, block_size=8))
     return target, draft, stored
 
 
@@ -56,9 +56,9 @@ def test_the_synthetic_pair_decodes_and_is_seeded(pair):
     assert all(bool(jnp.all(layer["ssm_a"] < 0)) for layer in target.params["layers"] if "ssm_a" in layer)
     ecfg = EngineConfig(mode="ar", max_ctx=128)
     ar = Engine.from_loaded(target, None, ecfg).generate(list(range(1, 20)), 12)
-    again = synthetic.synthetic_target(CFG, impl="reference")
+    again = synthetic.synthetic_target(CFG)
     assert Engine.from_loaded(again, None, ecfg).generate(list(range(1, 20)), 12).tokens == ar.tokens
-    other = synthetic.synthetic_target(CFG, impl="reference", seed=5)
+    other = synthetic.synthetic_target(CFG, seed=5)
     assert Engine.from_loaded(other, None, ecfg).generate(list(range(1, 20)), 12).tokens != ar.tokens
     tree = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=6, max_ctx=128))
     assert tree.generate(list(range(1, 20)), 12).tokens == ar.tokens  # lossless with a random drafter too
@@ -68,7 +68,7 @@ def test_forced_drafter_sets_the_acceptance_without_recompiling(pair):
     target, draft, _ = pair
     prompt, n_gen = list(range(3, 40)), 40
     ar = Engine.from_loaded(target, None, EngineConfig(mode="ar", max_ctx=128)).generate(prompt, n_gen)
-    real = DFlashDrafter(draft.config, target.impl)
+    real = DFlashDrafter(draft.config, target.kcfg)
     ecfg = EngineConfig(mode="ddtree", budget=10, topk=4, max_ctx=128)
     engine = Engine(target.config, target.params, ecfg, ForcedDrafter(real, CFG.vocab_size), None)
     sequence = np.zeros(192, np.int32)

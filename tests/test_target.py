@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.config import KernelConfig
 from dflash_jax.engine.prefill import prefill_chunks
-from dflash_jax.engine.state import init_state
 from dflash_jax.load import load_target
 from dflash_jax.models import target as T
+from dflash_jax.models.target import init_state
 from pallas_kernels import reference as ref
 
 from conftest import TINY
@@ -24,7 +25,7 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def model(tiny_gguf_path):
-    m = load_target(tiny_gguf_path, progress=False, impl="reference")
+    m = load_target(tiny_gguf_path, progress=False)
     return m.config, m.params
 
 
@@ -108,7 +109,8 @@ def test_commit_of_any_node_then_decode_equals_plain_sequence(model):
 
 
 def test_pallas_attention_and_gdn_verify_and_commit_like_the_reference(model):
-    """impl="pallas" (the tree-attention and delta-rule kernels; interpret mode on CPU) on a 16-node tree."""
+    """The Pallas kernels (tree attention, the delta rule; interpret mode on CPU) on a 16-node tree, the matrices
+    on the reference product."""
     cfg, params = model
     rng = np.random.default_rng(3)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, 16).astype(np.int32))
@@ -116,8 +118,9 @@ def test_pallas_attention_and_gdn_verify_and_commit_like_the_reference(model):
     _, state = run_prefill(cfg, params, rng.integers(0, cfg.vocab_size, 37))
     out = {}
     for impl in ("reference", "pallas"):
-        logits, _, verified_state, ver = verify(params, cfg, state, tokens, parents, (), impl)
-        out[impl] = logits, commit(verified_state, ver, jnp.int32(13), impl)
+        kcfg = KernelConfig(impl=impl, interpret=impl == "pallas")
+        logits, _, verified_state, ver = verify(params, cfg, state, tokens, parents, (), kcfg)
+        out[impl] = logits, commit(verified_state, ver, jnp.int32(13), kcfg)
     (lg, after), (lg_ref, after_ref) = out["pallas"], out["reference"]
     assert rel(lg, np.asarray(lg_ref)) < 2e-2  # attention products in bf16
     assert np.mean(np.argmax(lg, -1) == np.argmax(lg_ref, -1)) > 0.9

@@ -136,7 +136,7 @@ def test_the_train_draft_command_writes_a_drafter_the_engine_runs(tiny_gguf_path
     history = json.load(open(out / "history.json"))
     assert [h["step"] for h in history] == [2, 4] and all(np.isfinite(h["loss"]) for h in history)
 
-    target = load_target(tiny_gguf_path, progress=False, impl="reference")
+    target = load_target(tiny_gguf_path, progress=False)
     draft = load_draft(out, target.config, progress=False)
     assert draft.config.num_layers == 1 and draft.config.block_size == 8
     engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=256))

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 
-from dflash_jax.engine.state import init_state
-from dflash_jax.models.target import params_from_tensors
+from dflash_jax.models.target import init_state, params_from_tensors
 from dflash_jax.testing.tiny import tiny_target_config
 from dflash_jax.training.data import batches
 from dflash_jax.training.features import sequence_logits

@@ -62,7 +62,7 @@ def test_what_it_writes_decodes_losslessly(toy_run):
     from dflash_jax.tokenizer import load_tokenizer
 
     target = load_target(toy_run / "target.gguf", progress=False)
-    draft = load_draft(toy_run / "draft", target.config, progress=False, impl=target.impl)
+    draft = load_draft(toy_run / "draft", target.config, progress=False, kcfg=target.kcfg)
     tok = load_tokenizer(toy_run / "target.gguf")
     assert target.config.tie_word_embeddings and draft.config.mask_token_id == tok.special["<|mask|>"]
     ids = tok.encode("def main():\n")

@@ -10,14 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import MAX_TREE_NODES, EngineConfig, TargetConfig
+from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
-from dflash_jax.engine.state import init_state
-from dflash_jax.engine.step import MAX_STOP_IDS, DecodeState, DFlashDrafter, Drafter, emit_width, make_step
+from dflash_jax.engine.state import DecodeState
+from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
+from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
+from dflash_jax.models.target import init_state
 
+# the drafter's state is donated: each prompt chunk writes its context cache in place
 _extend = jax.jit(lambda drafter, params, state, taps, n: drafter.extend(params, state, taps, n),
-                  static_argnums=(0,))
+                  static_argnums=(0,), donate_argnums=(2,))
 
 
 @dataclasses.dataclass
@@ -59,11 +62,11 @@ class Generation:
 
 
 class Engine:
-    """A target, an optional drafter and an EngineConfig, with the compiled functions they need; `impl` picks the
-    target's attention and gated-delta-rule kernels (dflash_jax.kernels)."""
+    """A target, an optional drafter, an EngineConfig and the KernelConfig the target's weights were laid out for,
+    with the compiled functions they need."""
 
     def __init__(self, tcfg: TargetConfig, tparams: dict, ecfg: EngineConfig, drafter: Drafter | None = None,
-                 dparams: Any = None, impl: str = "reference"):
+                 dparams: Any = None, kcfg: KernelConfig = REFERENCE):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
         self.tcfg, self.tparams, self.ecfg = tcfg, tparams, ecfg
@@ -71,18 +74,18 @@ class Engine:
         self.dparams = dparams
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
-        self.impl = impl
-        self.step = make_step(tcfg, self.drafter, ecfg, impl)
+        self.kcfg = kcfg
+        self.step = make_step(tcfg, self.drafter, ecfg, kcfg)
 
     @classmethod
     def from_loaded(cls, target, draft, ecfg: EngineConfig) -> "Engine":
         """An engine from `load_target` / `load_draft` results (draft may be None in ar mode)."""
         if draft is None:
-            return cls(target.config, target.params, ecfg, impl=target.impl)
+            return cls(target.config, target.params, ecfg, kcfg=target.kcfg)
         dcfg = draft.config
         draft_model.check_pair(dcfg, target.config)
-        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.impl), draft.params,
-                   impl=target.impl)
+        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.kcfg), draft.params,
+                   kcfg=target.kcfg)
 
     def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
               after: DecodeState | None = None, keep_pending: bool = True) -> tuple[DecodeState, int]:
@@ -111,7 +114,7 @@ class Engine:
             dstate = self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None
         taps = self.drafter.taps if self.drafter else ()
         for n, logits, tapped, tstate in prefill_chunks(self.tparams, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK,
-                                                        taps=taps, impl=self.impl):
+                                                        taps=taps, kcfg=self.kcfg):
             if self.drafter:
                 dstate = _extend(self.drafter, self.dparams, dstate, tapped, jnp.int32(n))
         first = int(jnp.argmax(logits))

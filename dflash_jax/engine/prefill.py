@@ -8,13 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import TargetConfig
-from dflash_jax.engine.state import TargetState
+from dflash_jax.config import KernelConfig, TargetConfig
+from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import target
+from dflash_jax.models.target import TargetState
 
 DEFAULT_CHUNK = 64  # the chunked gated delta rule's chunk: one compilation covers every prompt length
 
-_prefill_chunk = jax.jit(target.prefill_chunk, static_argnums=(1, 5, 6), static_argnames=("impl",))
+# the state is donated: each chunk writes the caches in place (without, each chunk held a second copy of them)
+_prefill_chunk = jax.jit(target.prefill_chunk, static_argnums=(1, 5, 6), static_argnames=("kcfg",),
+                         donate_argnums=(2,))
 
 
 class InputError(ValueError):
@@ -45,8 +48,9 @@ def check_room(state: TargetState, n: int) -> None:
 
 def prefill_chunks(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
                    chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), all_logits: bool = False,
-                   impl: str = "reference") -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
-    """Commit a prompt chunk by chunk, yielding (real tokens n, logits, taps [chunk, n_taps, H], state) per chunk.
+                   kcfg: KernelConfig = REFERENCE) -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
+    """Commit a prompt chunk by chunk, yielding (real tokens n, logits, taps [chunk, n_taps, H], state) per chunk;
+    consumes `state` (each chunk's state is donated to the next).
 
     Logits are the chunk's last real token's [V], or with all_logits every real token's [n, V]. Taps keep the
     chunk's padding rows (fixed shape for a jitted consumer such as the drafter); the first n are real. Everything is
@@ -58,15 +62,15 @@ def prefill_chunks(params: dict, cfg: TargetConfig, state: TargetState, ids: np.
         part = ids[start:start + chunk]
         n = len(part)
         tokens = jnp.asarray(np.pad(part, (0, chunk - n)))
-        logits, tapped, state = _prefill_chunk(params, cfg, state, tokens, jnp.int32(n), taps, all_logits, impl=impl)
+        logits, tapped, state = _prefill_chunk(params, cfg, state, tokens, jnp.int32(n), taps, all_logits, kcfg=kcfg)
         yield n, (logits[:n] if all_logits else logits), tapped, state
 
 
 def prefill(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
-            chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), impl: str = "reference"
+            chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), kcfg: KernelConfig = REFERENCE
             ) -> tuple[jax.Array, jax.Array, TargetState]:
     """Commit a prompt: the last token's logits [V], the taps of every prompt token [n, n_taps, H], the state."""
     tapped = []
-    for n, logits, t, state in prefill_chunks(params, cfg, state, ids, chunk=chunk, taps=taps, impl=impl):
+    for n, logits, t, state in prefill_chunks(params, cfg, state, ids, chunk=chunk, taps=taps, kcfg=kcfg):
         tapped.append(t[:n])
     return logits, jnp.concatenate(tapped), state

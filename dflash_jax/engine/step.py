@@ -14,9 +14,10 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DraftConfig, EngineConfig, TargetConfig
-from dflash_jax.engine.state import TargetState
+from dflash_jax.config import DraftConfig, EngineConfig, KernelConfig, TargetConfig
+from dflash_jax.engine.state import DecodeState
 from dflash_jax.engine.tree import Tree, accept, build_tree, chain_tree
+from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models import target
 
@@ -43,10 +44,10 @@ class Drafter(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class DFlashDrafter:
-    """The z-lab DFlash drafter (models/draft.py) behind the Drafter protocol; `impl` picks its attention kernel."""
+    """The z-lab DFlash drafter (models/draft.py) behind the Drafter protocol; `kcfg` picks its kernels."""
 
     config: DraftConfig
-    impl: str = "reference"
+    kcfg: KernelConfig = REFERENCE
 
     @property
     def block_size(self) -> int:
@@ -58,26 +59,14 @@ class DFlashDrafter:
 
     def propose(self, params, state, target_params, root, position, depth):
         # the head only on the rows the tree can use: it is most of a small drafter's step on a CPU
-        hidden = draft_model.draft_hidden(params, self.config, state, target_params, root, self.impl)
-        return target.output_logits(target_params, hidden[1:depth + 1])
+        hidden = draft_model.draft_hidden(params, self.config, state, target_params, root, self.kcfg)
+        return target.output_logits(target_params, hidden[1:depth + 1], self.kcfg)
 
     def extend(self, params, state, taps, n_valid):
-        return draft_model.extend_context(params, self.config, state, taps, n_valid)
+        return draft_model.extend_context(params, self.config, state, taps, n_valid, self.kcfg)
 
     def init_state(self, slots, kv_dtype):
         return draft_model.init_draft_state(self.config, slots, kv_dtype)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeState:
-    """Everything that carries from step to step."""
-
-    target: TargetState
-    draft: Any  # the drafter's state (DraftState for DFlash; None in ar mode)
-    root: jax.Array  # [] int32: pending token, emitted but not yet run through the target
-    remaining: jax.Array  # [] int32: tokens still to emit
-    done: jax.Array  # [] bool: a stop token was emitted or nothing remains; further steps do nothing
 
 
 @jax.tree_util.register_dataclass
@@ -109,7 +98,7 @@ def step_tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None) -> 
 
 
 def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, *, tcfg: TargetConfig,
-          drafter: Drafter | None, ecfg: EngineConfig, impl: str) -> tuple[DecodeState, StepOut]:
+          drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig) -> tuple[DecodeState, StepOut]:
     width = emit_width(ecfg, drafter.block_size if drafter else 1)
     taps = drafter.taps if drafter else ()
 
@@ -125,10 +114,10 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
         logits = drafter.propose(dparams, state.draft, tparams, state.root, position, width - 1)
     tree = step_tree(ecfg, state.root, logits)
     tlogits, tapped, tstate, verified = target.verify(tparams, tcfg, state.target, tree.tokens, tree.parents, taps,
-                                                      impl)
+                                                      kcfg)
     posterior = jnp.argmax(tlogits, axis=-1).astype(jnp.int32)
     leaf = accept(tree, verified.block.anc, posterior, state.remaining - 1, stop_ids)
-    tstate = target.commit(tstate, verified, leaf, impl, skip=done)
+    tstate = target.commit(tstate, verified, leaf, kcfg, skip=done)
     depth = tree.depths[leaf]
     # path[d] = the accepted node at depth d (d <= depth), in path order
     path = target.path_nodes(verified.block, leaf, width)
@@ -153,8 +142,8 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
 
 
 @functools.lru_cache(maxsize=None)
-def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, impl: str = "reference"):
-    """The jitted step for one (target, drafter, engine, kernel set) configuration; the state argument is donated."""
+def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig = REFERENCE):
+    """The jitted step for one (target, drafter, engine, kernel) configuration; the state argument is donated."""
     if ecfg.mode != "ar" and drafter is None:
         raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
-    return jax.jit(functools.partial(_step, tcfg=tcfg, drafter=drafter, ecfg=ecfg, impl=impl), donate_argnums=(2,))
+    return jax.jit(functools.partial(_step, tcfg=tcfg, drafter=drafter, ecfg=ecfg, kcfg=kcfg), donate_argnums=(2,))

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import SLIDING_ATTENTION, ConfigError, DraftConfig, TargetConfig
+from dflash_jax import kernels
+from dflash_jax.config import SLIDING_ATTENTION, ConfigError, DraftConfig, KernelConfig, TargetConfig
+from dflash_jax.kernels import REFERENCE, linear
 from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
 from dflash_jax.models.target import embed_tokens, output_logits
-from dflash_jax import kernels
-from dflash_jax.kernels import linear
 from dflash_jax.quant import QTensor
 
 # z-lab tensor name inside a layer -> parameter name
@@ -118,22 +118,22 @@ def init_draft_state(cfg: DraftConfig, slots: int, kv_dtype: jnp.dtype = jnp.flo
     return DraftState(k=jnp.zeros(shape, kv_dtype), v=jnp.zeros(shape, kv_dtype), length=jnp.zeros((), jnp.int32))
 
 
-def _kv(p: dict, cfg: DraftConfig, x: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _kv(p: dict, cfg: DraftConfig, x: jax.Array, pos: jax.Array, kcfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
     n = x.shape[0]
-    k = linear(x, p["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(x, p["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    k = linear(x, p["wk"], kcfg).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p["wv"], kcfg).reshape(n, cfg.num_kv_heads, cfg.head_dim)
     return rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.head_dim, cfg.rope_theta), v
 
 
-def extend_context(params: dict, cfg: DraftConfig, state: DraftState, taps: jax.Array,
-                   n_valid: jax.Array) -> DraftState:
+def extend_context(params: dict, cfg: DraftConfig, state: DraftState, taps: jax.Array, n_valid: jax.Array,
+                   kcfg: KernelConfig = REFERENCE) -> DraftState:
     """Append the first n_valid of n newly committed tokens' tap features [n, n_taps, H] to the context cache."""
     n = taps.shape[0]
-    fused = rms_norm(linear(taps.reshape(n, -1), params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
+    fused = rms_norm(linear(taps.reshape(n, -1), params["fc"], kcfg), params["hidden_norm"], cfg.rms_norm_eps)
     pos = state.length + jnp.arange(n)
     k_all, v_all = state.k, state.v
     for layer, p in enumerate(params["layers"]):
-        k, v = _kv(p, cfg, fused, pos)
+        k, v = _kv(p, cfg, fused, pos, kcfg)
         k_all = write_rows(k_all, k, state.length, layer)
         v_all = write_rows(v_all, v, state.length, layer)
     return DraftState(k=k_all, v=v_all, length=state.length + n_valid)
@@ -154,16 +154,16 @@ def _visibility(cfg: DraftConfig, layer: int, length: jax.Array) -> tuple[jax.Ar
 
 
 def propose(params: dict, cfg: DraftConfig, state: DraftState, target_params: dict,
-            root: jax.Array, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+            root: jax.Array, kcfg: KernelConfig = REFERENCE) -> tuple[jax.Array, jax.Array]:
     """Draft the block [root, MASK x (B-1)] at positions length..: hidden [B, H] (after the final norm) and
-    logits [B, V] through the target's lm_head; row d predicts the token d places after the root. `impl` picks
+    logits [B, V] through the target's lm_head; row d predicts the token d places after the root. `kcfg` picks
     the attention kernel (dflash_jax.kernels)."""
-    hidden = draft_hidden(params, cfg, state, target_params, root, impl)
-    return hidden, output_logits(target_params, hidden)
+    hidden = draft_hidden(params, cfg, state, target_params, root, kcfg)
+    return hidden, output_logits(target_params, hidden, kcfg)
 
 
 def draft_hidden(params: dict, cfg: DraftConfig, state: DraftState, target_params: dict, root: jax.Array,
-                 impl: str = "reference") -> jax.Array:
+                 kcfg: KernelConfig = REFERENCE) -> jax.Array:
     """The hidden states [B, H] of `propose` (after the final norm), before the head."""
     b, hd = cfg.block_size, cfg.head_dim
     tokens = jnp.full((b,), cfg.mask_token_id, jnp.int32).at[0].set(root)
@@ -171,11 +171,11 @@ def draft_hidden(params: dict, cfg: DraftConfig, state: DraftState, target_param
     pos = state.length + jnp.arange(b)
     for layer, p in enumerate(params["layers"]):
         u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q = linear(u, p["wq"]).reshape(b, cfg.num_heads, hd)
+        q = linear(u, p["wq"], kcfg).reshape(b, cfg.num_heads, hd)
         q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, hd, cfg.rope_theta)
-        k, v = _kv(p, cfg, u, pos)
+        k, v = _kv(p, cfg, u, pos, kcfg)
         blk_mask, prefix_lo = _visibility(cfg, layer, state.length)
-        o = kernels.tree_attention(q, state.k, state.v, state.length, k, v, blk_mask, prefix_lo, impl, layer)
-        x = x + linear(o.reshape(b, -1), p["wo"])
-        x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"])
+        o = kernels.tree_attention(q, state.k, state.v, state.length, k, v, blk_mask, prefix_lo, kcfg, layer)
+        x = x + linear(o.reshape(b, -1), p["wo"], kcfg)
+        x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"], kcfg)
     return rms_norm(x, params["norm"], cfg.rms_norm_eps)

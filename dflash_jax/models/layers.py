@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.config import KernelConfig
 from dflash_jax.kernels import linear
 from dflash_jax.quant import QTensor
 
@@ -25,9 +26,9 @@ def rope(x: jax.Array, pos: jax.Array, rope_dim: int, theta: float) -> jax.Array
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def swiglu(x: jax.Array, w_gate: QTensor, w_up: QTensor, w_down: QTensor) -> jax.Array:
+def swiglu(x: jax.Array, w_gate: QTensor, w_up: QTensor, w_down: QTensor, kcfg: KernelConfig) -> jax.Array:
     """down(silu(gate x) * up x)."""
-    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    return linear(jax.nn.silu(linear(x, w_gate, kcfg)) * linear(x, w_up, kcfg), w_down, kcfg)
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, layer: int | None = None) -> jax.Array:

@@ -16,11 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import FULL_ATTENTION, TargetConfig
-from dflash_jax.engine.state import TargetState
-from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
 from dflash_jax import kernels
-from dflash_jax.kernels import linear
+from dflash_jax.config import FULL_ATTENTION, KernelConfig, TargetConfig
+from dflash_jax.kernels import REFERENCE, linear
+from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
 from dflash_jax.quant import QTensor, dequantize, take_rows
 
 # GGUF tensor name inside a block -> parameter name.
@@ -45,6 +44,39 @@ def params_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.nd
     embed = tensors["token_embd.weight"]
     return {"embed": embed, "norm": tensors["output_norm.weight"],
             "lm_head": tensors.get("output.weight", embed), "layers": tuple(layers)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode state (DESIGN.md "State")
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetState:
+    """KV cache of the full-attention layers, conv and recurrent state of the GDN layers, committed length."""
+
+    k: jax.Array  # [attn_layers, slots, kv_heads, head_dim]
+    v: jax.Array  # [attn_layers, slots, kv_heads, head_dim]
+    conv: jax.Array  # [gdn_layers, conv_kernel - 1, conv_dim]: the last pre-conv inputs, oldest first
+    ssm: jax.Array  # [gdn_layers, value_heads, key_head_dim, value_head_dim], float32
+    length: jax.Array  # [] int32: committed tokens (KV slots 0..length-1 are valid)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+
+def init_state(cfg: TargetConfig, slots: int, kv_dtype: jnp.dtype = jnp.float32) -> TargetState:
+    """An empty state with room for `slots` tokens (committed context plus tree slack)."""
+    n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
+    kv_shape = (n_attn, slots, cfg.num_kv_heads, cfg.head_dim)
+    return TargetState(
+        k=jnp.zeros(kv_shape, kv_dtype),
+        v=jnp.zeros(kv_shape, kv_dtype),
+        conv=jnp.zeros((n_gdn, cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
+        ssm=jnp.zeros((n_gdn, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                      jnp.float32),
+        length=jnp.zeros((), jnp.int32),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,14 +126,14 @@ def _conv_index(block: Block, kernel: int) -> jax.Array:
 # Layers
 
 def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
-               length: jax.Array, block: Block, impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+               length: jax.Array, block: Block, kcfg: KernelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated full attention over the committed cache plus the block's ancestors; writes the block's KV into
     `layer` of the stacked caches k/v_all [attn_layers, slots, kv_heads, head_dim]."""
     n, hd = u.shape[0], cfg.head_dim
-    qg = linear(u, p["wq"]).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
+    qg = linear(u, p["wq"], kcfg).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
     q, gate = qg[..., :hd], qg[..., hd:].reshape(n, cfg.num_heads * hd)
-    k = linear(u, p["wk"]).reshape(n, cfg.num_kv_heads, hd)
-    v = linear(u, p["wv"]).reshape(n, cfg.num_kv_heads, hd)
+    k = linear(u, p["wk"], kcfg).reshape(n, cfg.num_kv_heads, hd)
+    v = linear(u, p["wv"], kcfg).reshape(n, cfg.num_kv_heads, hd)
     pos = length + block.depth
     q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
     k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
@@ -109,9 +141,9 @@ def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_all: jax.Array, v_all
     # make XLA copy the whole cache to write it
     k_all = write_rows(k_all, k, length, layer)
     v_all = write_rows(v_all, v, length, layer)
-    o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), impl, layer)
+    o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), kcfg, layer)
     o = o.reshape(n, cfg.num_heads * hd)
-    return linear(o * jax.nn.sigmoid(gate), p["wo"]), k_all, v_all
+    return linear(o * jax.nn.sigmoid(gate), p["wo"], kcfg), k_all, v_all
 
 
 @jax.tree_util.register_dataclass
@@ -126,28 +158,28 @@ class GDNCarry:
 
 
 def _gdn_inputs(p: dict, cfg: TargetConfig, u: jax.Array, conv_state: jax.Array, conv_index: jax.Array,
-                impl: str):
+                kcfg: KernelConfig):
     """Projections, causal conv along each token's path (rows `conv_index`), and the delta-rule inputs."""
     n, nk, nv = u.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    conv_in = jnp.concatenate([conv_state, linear(u, p["w_qkv"])], axis=0)  # [K-1+N, C]
-    c = kernels.tree_conv(conv_in, conv_index, p["conv"], impl)
+    conv_in = jnp.concatenate([conv_state, linear(u, p["w_qkv"], kcfg)], axis=0)  # [K-1+N, C]
+    c = kernels.tree_conv(conv_in, conv_index, p["conv"], kcfg)
     q = c[:, :nk * dk].reshape(n, nk, dk)
     k = c[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
     v = c[:, 2 * nk * dk:].reshape(n, nv, dv)
     l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)  # noqa: E731
     q = jnp.tile(l2(q) * dk ** -0.5, (1, nv // nk, 1))  # tiled: value head h reads key head h mod nk
     k = jnp.tile(l2(k), (1, nv // nk, 1))
-    beta = jax.nn.sigmoid(linear(u, p["w_beta"]))
-    g = p["ssm_a"] * jax.nn.softplus(linear(u, p["w_alpha"]) + p["dt_bias"])
-    z = linear(u, p["w_z"]).reshape(n, nv, dv)
+    beta = jax.nn.sigmoid(linear(u, p["w_beta"], kcfg))
+    g = p["ssm_a"] * jax.nn.softplus(linear(u, p["w_alpha"], kcfg) + p["dt_bias"])
+    z = linear(u, p["w_z"], kcfg).reshape(n, nv, dv)
     return q, k, v, g, beta, z, conv_in
 
 
-def _gdn_output(p: dict, cfg: TargetConfig, o: jax.Array, z: jax.Array) -> jax.Array:
+def _gdn_output(p: dict, cfg: TargetConfig, o: jax.Array, z: jax.Array, kcfg: KernelConfig) -> jax.Array:
     n = o.shape[0]
     y = rms_norm(o, p["ssm_norm"], cfg.rms_norm_eps) * jax.nn.silu(z)
-    return linear(y.reshape(n, -1), p["w_out"])
+    return linear(y.reshape(n, -1), p["w_out"], kcfg)
 
 
 def embed_tokens(params: dict, tokens: jax.Array) -> jax.Array:
@@ -156,17 +188,17 @@ def embed_tokens(params: dict, tokens: jax.Array) -> jax.Array:
     return dequantize(take_rows(embed, tokens)) if isinstance(embed, QTensor) else embed[tokens]
 
 
-def output_logits(params: dict, hidden: jax.Array) -> jax.Array:
+def output_logits(params: dict, hidden: jax.Array, kcfg: KernelConfig = REFERENCE) -> jax.Array:
     """The lm_head (or tied embedding) applied to already-normed hidden states (shared with the drafter)."""
-    return linear(hidden, params["lm_head"])
+    return linear(hidden, params["lm_head"], kcfg)
 
 
-def _logits(params: dict, cfg: TargetConfig, x: jax.Array) -> jax.Array:
-    return output_logits(params, rms_norm(x, params["norm"], cfg.rms_norm_eps))
+def _logits(params: dict, cfg: TargetConfig, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
+    return output_logits(params, rms_norm(x, params["norm"], cfg.rms_norm_eps), kcfg)
 
 
 def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
-             taps: tuple[int, ...], prefill_valid: jax.Array | None, impl: str):
+             taps: tuple[int, ...], prefill_valid: jax.Array | None, kcfg: KernelConfig):
     """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
     verify (tree) leaves it and returns what the commit needs."""
     x = embed_tokens(params, tokens)
@@ -177,23 +209,23 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
     for i, p in enumerate(params["layers"]):
         u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == FULL_ATTENTION:
-            out, k_all, v_all = _attention(p, cfg, u, k_all, v_all, ia, state.length, block, impl)
+            out, k_all, v_all = _attention(p, cfg, u, k_all, v_all, ia, state.length, block, kcfg)
             ia += 1
         else:
-            q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], conv_index, impl)
+            q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], conv_index, kcfg)
             if prefill_valid is None:
-                o, v_new, gamma = kernels.gdn_tree(q, k, v, g, beta, ssm, block.anc, impl, ig)
+                o, v_new, gamma = kernels.gdn_tree(q, k, v, g, beta, ssm, block.anc, kcfg, ig)
                 carries.append(GDNCarry(k, v_new, gamma, conv_in))
             else:
                 real = (jnp.arange(tokens.shape[0]) < prefill_valid)[:, None]
                 o, s = kernels.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
-                                           jnp.where(real, beta, 0.0), ssm, impl, ig)
+                                           jnp.where(real, beta, 0.0), ssm, kcfg, ig)
                 ssm = ssm.at[ig].set(s)
                 conv = conv.at[ig].set(conv_in[conv_index[prefill_valid - 1, 1:]])
-            out = _gdn_output(p, cfg, o, z)
+            out = _gdn_output(p, cfg, o, z, kcfg)
             ig += 1
         x = x + out
-        x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"])
+        x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"], kcfg)
         if i in taps:
             tap_out[i] = x
     state = dataclasses.replace(state, k=k_all, v=v_all, conv=conv, ssm=ssm)
@@ -221,30 +253,31 @@ def _check_fits(state: TargetState, tokens: jax.Array) -> None:
 
 
 def prefill_chunk(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
-                  taps: tuple[int, ...] = (), all_logits: bool = False, impl: str = "reference"
+                  taps: tuple[int, ...] = (), all_logits: bool = False, kcfg: KernelConfig = REFERENCE
                   ) -> tuple[jax.Array, jax.Array, TargetState]:
-    """Commit the first n_valid of P prompt tokens (the rest is padding); `impl` picks the kernels
+    """Commit the first n_valid of P prompt tokens (the rest is padding); `kcfg` picks the kernels
     (dflash_jax.kernels).
 
     Returns the logits of the last real token [V] (all P rows [P, V] with all_logits) and taps [P, n_taps, H].
     """
-    x, tapped, state, _ = _forward(params, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, impl)
+    x, tapped, state, _ = _forward(params, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, kcfg)
     state = dataclasses.replace(state, length=state.length + n_valid)
     if not all_logits:
         x = jax.lax.dynamic_index_in_dim(x, n_valid - 1, keepdims=False)
-    return _logits(params, cfg, x), tapped, state
+    return _logits(params, cfg, x, kcfg), tapped, state
 
 
 def verify(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, parents: jax.Array,
-           taps: tuple[int, ...] = (), impl: str = "reference") -> tuple[jax.Array, jax.Array, TargetState, Verified]:
+           taps: tuple[int, ...] = (), kcfg: KernelConfig = REFERENCE
+           ) -> tuple[jax.Array, jax.Array, TargetState, Verified]:
     """Run a tree of N tokens on top of the committed state: logits [N, V], taps [N, n_taps, H].
 
     Only the KV cache changes (the block's keys at slots length..length+N-1, not yet committed); GDN state is read.
     """
     _check_fits(state, tokens)
     block = tree_block(parents)
-    x, tapped, state, verified = _forward(params, cfg, state, tokens, block, taps, None, impl)
-    return _logits(params, cfg, x), tapped, state, verified
+    x, tapped, state, verified = _forward(params, cfg, state, tokens, block, taps, None, kcfg)
+    return _logits(params, cfg, x, kcfg), tapped, state, verified
 
 
 def path_nodes(block: Block, leaf: jax.Array, width: int) -> jax.Array:
@@ -253,7 +286,7 @@ def path_nodes(block: Block, leaf: jax.Array, width: int) -> jax.Array:
     return jnp.argmax(at_depth, axis=1)
 
 
-def commit(state: TargetState, verified: Verified, leaf: jax.Array, impl: str = "reference",
+def commit(state: TargetState, verified: Verified, leaf: jax.Array, kcfg: KernelConfig = REFERENCE,
            skip: jax.Array | bool = False) -> TargetState:
     """Accept the root-to-leaf path ending at node `leaf`: compact its KV, take its GDN state, advance length.
 
@@ -274,7 +307,7 @@ def commit(state: TargetState, verified: Verified, leaf: jax.Array, impl: str = 
     carries = verified.carries
     # zero keys and log-decays make the path commit exp(0) S0 + 0 = S0, in every kernel, with no select of the state
     ssm = kernels.gdn_commit(state.ssm, [jnp.where(skip, 0.0, c.k) for c in carries], [c.v_new for c in carries],
-                             [jnp.where(skip, 0.0, c.gamma) for c in carries], path, leaf, impl)
+                             [jnp.where(skip, 0.0, c.gamma) for c in carries], path, leaf, kcfg)
     conv = [c.conv_in[conv_rows] for c in carries]
     return dataclasses.replace(state, k=compact(state.k), v=compact(state.v), ssm=ssm, conv=jnp.stack(conv),
                                length=state.length + jnp.where(skip, 0, block.depth[leaf] + 1))

@@ -3,7 +3,7 @@ Q4_K_M type mix, and a bf16 DFlash drafter, from random values (no file needed).
 
 Quantized fields are random bits with float scales sized so that every dequantized matrix has entries of about
 1/sqrt(in) (as a trained model's do), norms sit near 1, `ssm_a` < 0: activations stay finite through all layers.
-Each matrix is laid out for `impl` as soon as it is made, so at most one matrix exists twice at a time.
+Each matrix is laid out for the KernelConfig as soon as it is made, so at most one matrix exists twice at a time.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DraftConfig, TargetConfig, load_draft_config, load_target_config
+from dflash_jax.config import DraftConfig, KernelConfig, TargetConfig, load_draft_config, load_target_config
 from dflash_jax.gguf import tensor_specs
-from dflash_jax.kernels import prepare_matrices, prepare_matrix, resolve_impl
+from dflash_jax.kernels import REFERENCE, prepare_matrices, prepare_matrix
 from dflash_jax.load import Draft, Target
 from dflash_jax.models.draft import params_from_tensors as draft_params_from_tensors
 from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
@@ -58,13 +58,12 @@ def _dense(key: jax.Array, name: str, shape: tuple[int, ...]) -> jax.Array:
     return random_normal(key, shape, 0.0, 0.5)  # conv kernel, dt bias
 
 
-def synthetic_target(cfg: TargetConfig, *, impl: str = "auto", seed: int = 0,
+def synthetic_target(cfg: TargetConfig, *, kcfg: KernelConfig = REFERENCE, seed: int = 0,
                      on_tensor: Callable[[str, int], None] | None = None) -> Target:
     """A random target with cfg's shapes and the stock Q4_K_M types (MTP blocks left out), ready for the engine.
 
     on_tensor(name, stored bytes) is called after each tensor (progress). Returns a `Target` as load_target does.
     """
-    impl = resolve_impl(impl)
     rule, cache, tensors = q4_k_m_rule(cfg), {}, {}
     key = jax.random.key(seed)
     for i, (name, spec) in enumerate(tensor_specs(cfg).items()):
@@ -77,18 +76,17 @@ def synthetic_target(cfg: TargetConfig, *, impl: str = "auto", seed: int = 0,
             x = random_matrix(sub, rule(name, spec).name, spec.shape, cache)
         nbytes = x.nbytes  # as stored in a GGUF, before any repacking
         if name != "token_embd.weight":  # read by row; stays a QTensor as load_target leaves it
-            x = prepare_matrix(x, impl)  # dense vectors pass through
+            x = prepare_matrix(x, kcfg)  # dense vectors pass through
         tensors[name] = jax.block_until_ready(x)
         if on_tensor:
             on_tensor(name, nbytes)
     params = params_from_tensors(cfg, tensors)
-    params = prepare_matrices(params, impl, skip=("embed",))  # reference: dequantized when small enough
-    return Target(cfg, params, f"synthetic:{cfg.num_layers}-layer seed {seed}", None, impl)
+    params = prepare_matrices(params, kcfg, skip=("embed",))  # reference: dequantized when small enough
+    return Target(cfg, params, f"synthetic:{cfg.num_layers}-layer seed {seed}", None, kcfg)
 
 
-def synthetic_draft(cfg: DraftConfig, *, impl: str = "auto", seed: int = 1) -> Draft:
+def synthetic_draft(cfg: DraftConfig, *, kcfg: KernelConfig = REFERENCE, seed: int = 1) -> Draft:
     """A random DFlash drafter with cfg's shapes, matrices in bf16 (as z-lab ships them), norms near 1."""
-    impl = resolve_impl(impl)
     key = jax.random.key(seed)
     tensors = {}
     for i, (name, shape) in enumerate(draft_tensor_shapes(cfg).items()):
@@ -98,7 +96,7 @@ def synthetic_draft(cfg: DraftConfig, *, impl: str = "auto", seed: int = 1) -> D
         else:
             w = random_normal(sub, shape, 0.0, 1.0 / math.sqrt(shape[1]))
             tensors[name] = QTensor({"w": w.astype(jnp.bfloat16)}, "BF16", shape)
-    return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), impl), f"synthetic seed {seed}")
+    return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), kcfg), f"synthetic seed {seed}")
 
 
 def tree_bytes(tree) -> int:
@@ -106,7 +104,8 @@ def tree_bytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def synthetic_27b(impl: str = "auto", seed: int = 0, on_tensor=None) -> tuple[Target, Draft]:
-    """The Qwen3.5-27B Q4_K_M target and its 1.73B bf16 DFlash drafter, synthetic (configs/qwen3.5-27b*.json)."""
-    target = synthetic_target(load_target_config(TARGET_27B), impl=impl, seed=seed, on_tensor=on_tensor)
-    return target, synthetic_draft(load_draft_config(DRAFT_27B), impl=impl, seed=seed + 1)
+def synthetic_27b(kcfg: KernelConfig, seed: int = 0, on_tensor=None) -> tuple[Target, Draft]:
+    """The Qwen3.5-27B Q4_K_M target and its 1.73B bf16 DFlash drafter, synthetic (configs/qwen3.5-27b*.json), laid
+    out for `kcfg` as load_target and load_draft lay out a real pair."""
+    target = synthetic_target(load_target_config(TARGET_27B), kcfg=kcfg, seed=seed, on_tensor=on_tensor)
+    return target, synthetic_draft(load_draft_config(DRAFT_27B), kcfg=kcfg, seed=seed + 1)

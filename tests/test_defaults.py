@@ -1,0 +1,67 @@
+"""The device classes' defaults (dflash_jax/defaults.py) and the one resolution of the flags against them."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from dflash_jax.config import ConfigError, EngineConfig, KernelConfig
+from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, resolve_engine, resolve_kernels
+
+MODES = ("ar", "chain", "ddtree")
+
+
+def test_this_machine_is_a_cpu_and_gets_the_reference_path():
+    assert device_class() == "cpu" == device_class(jax.devices()[0])
+    assert resolve_kernels() == KernelConfig(impl="reference", interpret=False, mgpu="off", small_rows=64)
+    assert resolve_engine() == EngineConfig(mode="ddtree", budget=8, kv_dtype="float32")
+
+
+@pytest.mark.parametrize("device, want", [
+    ("cpu", ("reference", False, "off", "off")),
+    ("gpu", ("pallas", False, "off", "off")),
+    ("hopper", ("pallas", False, "off", "only")),  # ar keeps the Triton layout for its one-token int8 GEMV
+])
+def test_each_device_class_gets_its_row_of_the_table(device, want):
+    impl, interpret, ar_layout, tree_layout = want
+    got = {mode: resolve_kernels(mode, device=device) for mode in MODES}
+    assert {k.impl for k in got.values()} == {impl} and {k.interpret for k in got.values()} == {interpret}
+    assert [got[m].mgpu for m in MODES] == [ar_layout, tree_layout, tree_layout]
+    ecfg = resolve_engine("ddtree", device=device)
+    assert (ecfg.kv_dtype, ecfg.budget) == (DEVICE_DEFAULTS[device].kv_dtype, DEVICE_DEFAULTS[device].budget)
+    assert (ecfg.kv_dtype, ecfg.budget) == (("float32", 8) if device == "cpu" else ("bfloat16", 22))
+
+
+def test_flags_override_the_table():
+    assert resolve_kernels("ar", mgpu=True, device="hopper").mgpu == "beside"  # both layouts for ar
+    assert resolve_kernels("ddtree", mgpu=True, device="hopper").mgpu == "only"
+    assert resolve_kernels("ddtree", mgpu=False, device="hopper").mgpu == "off"
+    assert resolve_kernels(impl="pallas", device="cpu") == KernelConfig(impl="pallas", interpret=True)
+    assert resolve_kernels(impl="reference", device="hopper").mgpu == "off"
+    assert resolve_kernels(small_rows=0, device="gpu").small_rows == 0
+    ecfg = resolve_engine("chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_dtype="bfloat16", device="cpu")
+    assert ecfg == EngineConfig(mode="chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: resolve_kernels(mgpu=True, device="gpu"), "needs a Hopper GPU"),
+    (lambda: resolve_kernels(mgpu=True, device="cpu"), "needs a Hopper GPU"),
+    (lambda: resolve_kernels(impl="triton"), "impl must be one of auto, reference, pallas"),
+    (lambda: resolve_kernels(device="tpu"), "device class 'tpu'"),
+    (lambda: resolve_engine(kv_dtype="float16"), "kv_dtype must be one of float32, bfloat16"),
+    (lambda: KernelConfig(impl="pallas", interpret=True, mgpu="only"), "needs impl 'pallas' on a Hopper GPU"),
+    (lambda: KernelConfig(mgpu="both"), "mgpu layout 'both'"),
+    (lambda: KernelConfig(impl="reference", interpret=True), "interpret mode is for the Pallas kernels"),
+    (lambda: KernelConfig(small_rows=-1), "small_rows -1"),
+])
+def test_bad_choices_are_refused(call, message):
+    with pytest.raises(ConfigError, match=message):
+        call()
+
+
+def test_a_kernel_config_is_a_hashable_static_value():
+    """Frozen and hashable: it is a static argument of every jitted function, so part of each jit cache key."""
+    kcfg = resolve_kernels(device="hopper")
+    assert hash(kcfg) == hash(dataclasses.replace(kcfg)) and kcfg != dataclasses.replace(kcfg, small_rows=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kcfg.impl = "reference"
