@@ -267,54 +267,61 @@ def main(argv: Sequence[str]) -> None:
 
 
 def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
-                       n_gen_help: str = "Tokens to generate at most (per reply).") -> None:
-    """The model and decoding flags that generate, chat and serve share."""
+                       n_gen_help: str = "Tokens to generate at most (per reply).", fv=None) -> None:
+    """The model and decoding flags that generate, chat and serve share, in `fv` (default: absl's global FLAGS)."""
     from absl import flags
 
+    fv = flags.FLAGS if fv is None else fv
+
     flags.DEFINE_string("target", None, "Target: a qwen35 GGUF file or an HF directory (default: the shipped tiny "
-                        "model).")
+                        "model).", flag_values=fv)
     flags.DEFINE_string("draft", None, "DFlash drafter: a directory with config.json and model.safetensors, or the "
-                        ".safetensors file (default: the shipped tiny drafter when --target is not given).")
-    flags.DEFINE_string("system", None, "System message for the chat template.")
-    flags.DEFINE_integer("n_gen", n_gen, n_gen_help, lower_bound=min(n_gen, 1))
+                        ".safetensors file (default: the shipped tiny drafter when --target is not given).",
+                        flag_values=fv)
+    flags.DEFINE_string("system", None, "System message for the chat template.", flag_values=fv)
+    flags.DEFINE_integer("n_gen", n_gen, n_gen_help, lower_bound=min(n_gen, 1), flag_values=fv)
     flags.DEFINE_enum("mode", "ddtree", ["ar", "chain", "ddtree"], "Decoding: autoregressive, the draft's block "
-                      "as a chain, or a DDTree.")
+                      "as a chain, or a DDTree.", flag_values=fv)
     flags.DEFINE_integer("budget", None, f"DDTree nodes besides the root (default: {DEVICE_DEFAULTS['gpu'].budget} "
                          f"on a GPU, as the C++ engine; {DEVICE_DEFAULTS['cpu'].budget} on a CPU, where verifying a "
-                         "node costs a large part of an AR step).", lower_bound=1)
-    flags.DEFINE_integer("topk", 8, "DDTree candidates per depth.", lower_bound=1)
+                         "node costs a large part of an AR step).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("topk", 8, "DDTree candidates per depth.", lower_bound=1, flag_values=fv)
     flags.DEFINE_boolean("chain_seed", None, "Seed the DDTree with the draft's top-1 chain before best-first "
                          "expansion, as the C++ engine does (default: when the budget exceeds the draft's depth; "
-                         "within it a seeded tree is the chain alone).")
-    flags.DEFINE_integer("max_ctx", max_ctx, max_ctx_help, lower_bound=0)
-    flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).")
-    flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.")
+                         "within it a seeded tree is the chain alone).", flag_values=fv)
+    flags.DEFINE_integer("max_ctx", max_ctx, max_ctx_help, lower_bound=0, flag_values=fv)
+    flags.DEFINE_boolean("thinking", False, "Let the chat template open a thinking block (Qwen3.5/3.6).",
+                         flag_values=fv)
+    flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.",
+                         flag_values=fv)
     flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV cache dtype (default: bfloat16 on a GPU, float32 on a "
-                      "CPU).")
+                      "CPU).", flag_values=fv)
     flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K and Q6_K products of 2-64 tokens (verify, "
                          "prefill, the drafter's head) on the Mosaic GPU kernels. Their layout replaces the weights' "
                          "for chain and ddtree; ar keeps both (a second copy in device memory) for its one-token GEMV. "
-                         "Default: on for chain and ddtree on a Hopper GPU, else off (--nomgpu).")
+                         "Default: on for chain and ddtree on a Hopper GPU, else off (--nomgpu).", flag_values=fv)
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
-                        "second run with the same shapes skips compiling); empty to turn it off.")
+                        "second run with the same shapes skips compiling); empty to turn it off.", flag_values=fv)
 
 
-def define_flags() -> None:
-    """The command's absl flags (defined only when it runs as a program)."""
+def define_flags(fv=None) -> None:
+    """The command's absl flags (defined only when it runs as a program), in `fv` (default: absl's global FLAGS)."""
     from absl import flags
 
-    define_model_flags(256, f"Context to allocate (0: prompt + n_gen, rounded up to {CTX_ROUND}).")
-    flags.DEFINE_string("prompt", None, "Prompt text (default: read stdin).")
+    fv = flags.FLAGS if fv is None else fv
+    define_model_flags(256, f"Context to allocate (0: prompt + n_gen, rounded up to {CTX_ROUND}).", fv=fv)
+    flags.DEFINE_string("prompt", None, "Prompt text (default: read stdin).", flag_values=fv)
     flags.DEFINE_string("prompt_ids", None, "Prompt token ids, comma-separated or a .npy file (skips tokenization "
-                        "and the chat template).")
-    flags.DEFINE_boolean("raw", False, "Do not apply the chat template.")
+                        "and the chat template).", flag_values=fv)
+    flags.DEFINE_boolean("raw", False, "Do not apply the chat template.", flag_values=fv)
     flags.DEFINE_boolean("json", False, "Print one JSON object (token ids, text, per-step acceptance, timings) "
-                         "instead of streaming text.")
+                         "instead of streaming text.", flag_values=fv)
     flags.DEFINE_string("profile", None, "Directory to write a jax.profiler trace (for Perfetto or TensorBoard) of "
-                        "--profile_steps decode steps into, starting after the first step (which compiles).")
-    flags.DEFINE_integer("profile_steps", 8, "Decode steps to trace with --profile.", lower_bound=1)
+                        "--profile_steps decode steps into, starting after the first step (which compiles).",
+                        flag_values=fv)
+    flags.DEFINE_integer("profile_steps", 8, "Decode steps to trace with --profile.", lower_bound=1, flag_values=fv)
     flags.DEFINE_boolean("compile_report", False, "Print to stderr, after the run, the seconds each jitted function "
-                         "spent tracing, lowering and compiling.")
+                         "spent tracing, lowering and compiling.", flag_values=fv)
 
 
 def _underscored(arg: str, known) -> str:

@@ -13,6 +13,7 @@ tok/s is decoded tokens over decode time (the first token, from prefill, and the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -22,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchlib import add_engine_flags, engine_settings  # noqa: E402
 
 
 def configs(budgets: list[int]) -> list[tuple[str, int]]:
@@ -47,7 +49,7 @@ def measure(engine, prompts: list[list[int]], n_gen: int, stop_ids: list[int], r
                      "tok_s": tokens / seconds if seconds else 0.0, "same_as_ar": same, "histogram": hist[1:]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=None, help="default: the shipped pair")
     ap.add_argument("--draft", default=None)
@@ -55,36 +57,31 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0: all)")
     ap.add_argument("--n_gen", type=int, default=128)
     ap.add_argument("--budgets", default="4,8,16,22,32")
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--chain_seed", choices=["on", "off", "auto"], default="on",
-                    help="DDTree chain seed; auto: the engine's default (only past the draft's depth). The results "
-                         "in scripts/results/tiny_acceptance_* were made with on")
-    ap.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"],
-                    help="kernels: auto is pallas on a GPU")
     ap.add_argument("--out", type=Path, required=True, help="results JSON (a .txt table is written beside it)")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; no new configuration starts after it")
-    args = ap.parse_args()
+    add_engine_flags(ap)  # --budget sets the chain's engine; the trees take --budgets
+    args = ap.parse_args(argv)
 
     import jax
 
     from dflash_jax import assets, prompt_sets
-    from dflash_jax.config import EngineConfig
     from dflash_jax.engine.generate import Engine
     from dflash_jax.load import load_draft, load_target
     from dflash_jax.tokenizer import load_tokenizer
 
     t_start = time.monotonic()
     target_path, draft_path = args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
-    target = load_target(target_path, progress=False, impl=args.impl)
-    draft = load_draft(draft_path, target.config, progress=False, impl=target.impl)
+    base, kcfg = engine_settings(args)  # as generate resolves its flags
+    target = load_target(target_path, progress=False, kcfg=kcfg)
+    draft = load_draft(draft_path, target.config, progress=False, kcfg=kcfg)
     tok = load_tokenizer(target_path)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     dev = jax.devices()[0]
     report = {"target": str(target_path), "draft": str(draft_path), "device": getattr(dev, "device_kind", str(dev)),
               "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
-              "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": args.topk,
-              "chain_seed": args.chain_seed,
-              "impl": target.impl, "sets": {}}
+              "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": base.topk,
+              "chain_seed": {None: "auto", True: "on", False: "off"}[base.chain_seed], "kv_dtype": base.kv_dtype,
+              "kernels": dataclasses.asdict(kcfg), "impl": kcfg.impl, "sets": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.sets.split(","):
         prompts = [tok.encode(text) for _, text in prompt_sets.load(spec, args.limit)]
@@ -97,8 +94,7 @@ def main() -> None:
             if args.time_limit and time.monotonic() - t_start > args.time_limit:
                 print(f"--time_limit: stopping before {name} {mode} {budget}", file=sys.stderr)
                 break
-            ecfg = EngineConfig(mode=mode, budget=budget or 22, topk=args.topk, max_ctx=max_ctx,
-                                chain_seed={"on": True, "off": False, "auto": None}[args.chain_seed])
+            ecfg = dataclasses.replace(base, mode=mode, budget=budget or base.budget, max_ctx=max_ctx)
             outputs, r = measure(Engine.from_loaded(target, draft if mode != "ar" else None, ecfg), prompts,
                                  args.n_gen, tok.stop_ids, reference)
             if mode == "ar":

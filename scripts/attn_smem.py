@@ -39,10 +39,10 @@ def triton_ir(hq: int, hkv: int, d: int, dtype, **opts) -> tuple[str, int, int]:
                           jnp.zeros(TOKENS, jnp.int32))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import triton
 
     lines = [f"tree attention, {TOKENS} tokens over {SLOTS} slots, sm_90 (triton {triton.__version__}), jax "

@@ -12,6 +12,12 @@ length); AR and DDTree steps at long
 contexts (a committed cache of random keys and values); peak device memory; compile time per jitted function.
 The JSON is rewritten after each section (`--time_limit` keeps what finished); a table is printed last.
 `--model tiny` runs the same on a tiny random pair (a quick check, also on a CPU).
+
+The engine and kernel configuration come from the flags `generate` takes (--budget, --topk, --chain_seed, --kv_dtype,
+--mgpu; plus --impl and --small_rows), resolved by the same function (dflash_jax/defaults.py): with no flags the
+benchmark runs what `generate` runs on this device, for a DDTree. The pair is laid out once, for the tree modes, so
+the AR rows run that layout too (on Hopper: one-token products on the Mosaic GPU kernel, where `generate --mode ar`
+keeps the Triton layout for its int8 GEMV).
 """
 
 from __future__ import annotations
@@ -287,7 +293,8 @@ def merge(parts: list[str]) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's flags; unset engine flags take the device class's defaults, as `generate`'s do."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--merge", nargs="+", default=None, metavar="FILE:SECTIONS",
@@ -310,7 +317,11 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree steps here")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
     add_engine_flags(ap)
-    run(ap.parse_args())
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> None:

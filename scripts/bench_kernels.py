@@ -370,7 +370,7 @@ def bench_tree_conv(copy: float, n: int = 23) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="results JSON")
     ap.add_argument("--sweep", action="store_true", help="also time tile variants of qmatmul")
@@ -385,7 +385,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
                     choices=["qmatmul", "qmatmul_mgpu", "tree_attention", "gdn", "tree_conv"],
                     help="which kernels to time")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     env = environment()
     copy = copy_rate()
     print(f"{env}\ncopy rate {copy / 1e12:.2f} TB/s (read + write)", flush=True)

@@ -41,7 +41,8 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
 def engine_settings(args: argparse.Namespace) -> tuple[EngineConfig, KernelConfig]:
     """The engine and kernel configuration of `add_engine_flags`' flags, by the function `generate`, `chat` and
     `serve` resolve theirs with."""
-    return resolve_flags(args, impl=args.impl, small_rows=args.small_rows)
+    max_ctx = getattr(args, "max_ctx", EngineConfig.max_ctx)  # scripts that fit the context to their prompts set it
+    return resolve_flags(args, max_ctx=max_ctx, impl=args.impl, small_rows=args.small_rows)
 
 
 def median_seconds(fn, *args, iters: int = 10) -> float:

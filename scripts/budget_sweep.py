@@ -16,6 +16,7 @@ N to (benchlib.fit_verify_cost).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -26,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchlib import add_engine_flags, engine_settings, environment, fit_verify_cost  # noqa: E402
 
 
 def plot(report: dict, path: Path) -> None:
@@ -82,7 +84,7 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="results JSON; a .txt table and a .png plot beside it")
     ap.add_argument("--target", default=None, help="default: the shipped pair")
@@ -96,13 +98,11 @@ def main() -> None:
     ap.add_argument("--topks", default="4,8")
     ap.add_argument("--chain_seeds", default="on,off")
     ap.add_argument("--iters", type=int, default=10, help="calls per verify timing (median)")
-    ap.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"])
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; no new configuration starts after it")
     ap.add_argument("--from_json", type=Path, default=None,
                     help="rewrite the table and plot of an earlier results file (refitting the verify cost) and exit")
-    args = ap.parse_args()
-
-    from benchlib import environment, fit_verify_cost
+    add_engine_flags(ap)  # the sweep varies budget, top-K and chain seed; the rest is the user's default
+    args = ap.parse_args(argv)
 
     if args.from_json:
         report = json.loads(args.from_json.read_text())
@@ -123,20 +123,21 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     topks = [int(k) for k in args.topks.split(",") if k]
     seeds = [s.strip() == "on" for s in args.chain_seeds.split(",") if s]
+    base, kcfg = engine_settings(args)
     if args.synthetic:
-        target, draft, _ = bench.make_models(args.synthetic, args.impl, log=lambda msg: None)
+        target, draft, _ = bench.make_models(args.synthetic, kcfg, log=lambda msg: None)
         prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, 512).tolist()
         prompts, stops, name = [prompt], [], f"synthetic {args.synthetic}, forced error rate {args.error_rate}"
         max_ctx = 4096
     else:
         target_path, draft_path = args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
-        target = load_target(target_path, progress=False, impl=args.impl)
-        draft = load_draft(draft_path, target.config, progress=False, impl=target.impl)
+        target = load_target(target_path, progress=False, kcfg=kcfg)
+        draft = load_draft(draft_path, target.config, progress=False, kcfg=kcfg)
         tok = load_tokenizer(target_path)
         prompts = [tok.encode(text) for spec in args.sets.split(",") for _, text in prompt_sets.load(spec, args.limit)]
         stops, name = tok.stop_ids, f"{Path(target_path).name} + {Path(draft_path).name}, {args.sets}"
         max_ctx = -(-(max(map(len, prompts)) + args.n_gen) // 256) * 256
-    report = {**environment(), "impl": target.impl, "n_gen": args.n_gen, "prompts": len(prompts),
+    report = {**environment(), "kernels": dataclasses.asdict(kcfg), "kv_dtype": base.kv_dtype, "n_gen": args.n_gen, "prompts": len(prompts),
               "title": f"{name}: {len(prompts)} prompt(s), n_gen {args.n_gen}; {jax.devices()[0].device_kind}, jax "
                        f"{jax.__version__}, {time.strftime('%Y-%m-%d')}",
               "results": [], "verify_ms": {}}
@@ -145,8 +146,8 @@ def main() -> None:
     def save():
         args.out.write_text(json.dumps(report, indent=1))
 
-    kv = "bfloat16" if args.synthetic else "float32"  # a real pair as generate runs it
-    ar = bench.engine_for(target, draft, "ar", max_ctx=max_ctx, kv_dtype=kv)
+    base = dataclasses.replace(base, max_ctx=max_ctx)
+    ar = bench.engine_for(target, draft, dataclasses.replace(base, mode="ar"))
     reference, r = measure(ar, prompts, args.n_gen, stops, None)
     report.update(ar_tok_s=r["tok_s"], ar_step_ms=1e3 * r["decode_s"] / max(r["steps"], 1))
     for budget, topk, seed in itertools.product(budgets, topks, seeds):
@@ -155,8 +156,8 @@ def main() -> None:
             break
         if topk > budget and topk != topks[0]:
             continue  # a top-K wider than the budget is cut to it: the same tree as a narrower one
-        engine = bench.engine_for(target, draft, "ddtree", budget, max_ctx, forced=bool(args.synthetic), topk=topk,
-                                  chain_seed=seed, kv_dtype=kv)
+        ecfg = dataclasses.replace(base, budget=budget, topk=topk, chain_seed=seed)
+        engine = bench.engine_for(target, draft, ecfg, forced=bool(args.synthetic))
         if args.synthetic:
             row, _ = bench.forced_run(engine, draft, prompt, reference[0], args.error_rate, args.n_gen)
             r = dict(al=row["accept_length"], tok_s=row["tokens_per_s"], step_ms=row["ms_per_step"],
@@ -167,7 +168,8 @@ def main() -> None:
                      same_as_ar=m["same_as_ar"])
         if str(budget + 1) not in report["verify_ms"]:
             state, _ = engine.start(prompts[0], max_ctx - len(prompts[0]), stops)
-            report["verify_ms"][str(budget + 1)] = bench.phase_times(engine, state, args.iters, only_verify=True)["verify"]
+            phases = bench.phase_times(engine, state, args.iters, only_verify=True)
+            report["verify_ms"][str(budget + 1)] = phases["verify"]
         report["results"].append(dict(budget=budget, topk=topk, chain_seed=seed, **r))
         print(f"budget {budget:>3} top-K {topk} seed {'on' if seed else 'off'}: AL {r['al']:.2f}, "
               f"{r['tok_s']:.1f} tok/s, step {r['step_ms']:.2f} ms", file=sys.stderr, flush=True)

@@ -61,12 +61,12 @@ def report(a: dict, b: dict, names: tuple[str, str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("a", type=Path, help="bench_kernels.py results JSON")
     ap.add_argument("b", type=Path, help="bench_kernels.py results JSON")
     ap.add_argument("--out", type=Path, help="also write the report here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     text = report(json.loads(args.a.read_text()), json.loads(args.b.read_text()), (args.a.name, args.b.name))
     print(text)
     if args.out:

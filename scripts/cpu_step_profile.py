@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import environment  # noqa: E402
 
 from dflash_jax import assets  # noqa: E402
-from dflash_jax.config import EngineConfig  # noqa: E402
+from dflash_jax.defaults import resolve_engine, resolve_kernels  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.load import load_draft, load_target  # noqa: E402
 from dflash_jax.tokenizer import load_tokenizer  # noqa: E402
@@ -104,22 +104,22 @@ def profile(engine: Engine, ids: list[int], stop_ids: list[int], steps: int) -> 
             "products_ms": dict(sorted(products.items()))}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", default="8,22")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    target = load_target(assets.DEFAULT_TARGET, progress=False)
-    draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False, impl=target.impl)
+    args = ap.parse_args(argv)
+    target = load_target(assets.DEFAULT_TARGET, progress=False, kcfg=resolve_kernels())
+    draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False, kcfg=target.kcfg)
     tok = load_tokenizer(assets.DEFAULT_TARGET)
     ids = tok.encode(PROMPT)
-    runs = {"ar": profile(Engine.from_loaded(target, None, EngineConfig(mode="ar", max_ctx=512)), ids, tok.stop_ids,
+    runs = {"ar": profile(Engine.from_loaded(target, None, resolve_engine("ar", max_ctx=512)), ids, tok.stop_ids,
                           args.steps)}
     for b in [int(x) for x in args.budgets.split(",") if x]:
-        ecfg = EngineConfig(mode="ddtree", budget=b, chain_seed=False, max_ctx=512)
+        ecfg = resolve_engine("ddtree", budget=b, chain_seed=False, max_ctx=512)
         runs[f"ddtree {b}"] = profile(Engine.from_loaded(target, draft, ecfg), ids, tok.stop_ids, args.steps)
-    report = {**environment(), "impl": target.impl, "prompt": PROMPT, "steps": args.steps, "runs": runs}
+    report = {**environment(), "impl": target.kcfg.impl, "prompt": PROMPT, "steps": args.steps, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     args.out.with_suffix(".txt").write_text(table(report))

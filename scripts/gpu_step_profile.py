@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import environment, gpu_events, set_qmatmul_defaults  # noqa: E402
+from benchlib import add_engine_flags, engine_settings, environment, gpu_events  # noqa: E402
 
 
 def summarize(events: list[tuple[str, int, int]], steps: int, top: int = 15) -> dict:
@@ -59,7 +60,7 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import bench
 
     from dflash_jax.profiling import StepTrace
@@ -67,24 +68,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", choices=["27b", "tiny"], default="27b")
-    ap.add_argument("--impl", default="auto")
     ap.add_argument("--modes", default="ar,ddtree")
-    ap.add_argument("--budget", type=int, default=22)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt_len", type=int, default=512)
+    ap.add_argument("--max_ctx", type=int, default=4096)
     ap.add_argument("--top", type=int, default=15, help="kernel names listed per mode, longest first")
-    ap.add_argument("--mgpu", type=int, choices=(0, 1, 2), default=None,
-                    help="the Mosaic GPU layout as bench.py --mgpu sets it (qmatmul.MGPU_LAYOUT; default: unset)")
-    args = ap.parse_args()
-    from pallas_kernels import qmatmul as qm
-
-    if args.mgpu is not None:
-        set_qmatmul_defaults({"MGPU_LAYOUT": qm.MGPU_LAYOUTS[args.mgpu]})
-    target, draft, _ = bench.make_models(args.model, args.impl)
+    add_engine_flags(ap)
+    args = ap.parse_args(argv)
+    base, kcfg = engine_settings(args)  # as generate resolves its flags, for a DDTree (the AR rows share it)
+    target, draft, _ = bench.make_models(args.model, kcfg)
     prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.prompt_len).tolist()
-    report = {**environment(), "model": args.model, "args": vars(args) | {"out": str(args.out)}, "modes": {}}
+    report = {**environment(), "model": args.model, "args": vars(args) | {"out": str(args.out)},
+              "engine": dataclasses.asdict(base), "kernels": dataclasses.asdict(kcfg), "modes": {}}
     for mode in args.modes.split(","):
-        engine = bench.engine_for(target, draft, mode, args.budget, 4096)
+        engine = bench.engine_for(target, draft, dataclasses.replace(base, mode=mode))
         engine.generate(prompt, 4, bench.NO_STOPS)  # compile outside the trace
         trace_dir = tempfile.mkdtemp()
         tracer = StepTrace(trace_dir, steps=args.steps)

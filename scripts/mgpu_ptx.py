@@ -124,7 +124,7 @@ def sass_report(sass_text: str, note: str = "") -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="directory for Mosaic GPU's dumps (needs a Hopper GPU)")
     ap.add_argument("--read", type=Path, help="a saved .ptx (its .ptxas beside it, if any) to report on instead")
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--order", default="wgmma", choices=("wgmma", "natural"), help="the Q4_K layout's quant order")
     ap.add_argument("--fmt", default="Q4_K", choices=("Q4_K", "Q6_K"), help="the weight format (its kernel)")
     ap.add_argument("--sass", action="store_true", help="also assemble the PTX (pip's triton) and count the SASS")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if (args.out is None) == (args.read is None):
         ap.error("give one of --out (compile and dump) and --read (a saved dump)")
     if args.read:

@@ -32,11 +32,11 @@ KERNELS = {"bf16": {"int8_mma": False, "x_view": False}, "int8": {"int8_mma": Tr
            "view": {"int8_mma": False, "x_view": True}, "mgpu": "mgpu"}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--products", nargs="+", metavar="M:KERNEL",
                     help=f"ffn_gate at M tokens, KERNEL one of {', '.join(KERNELS)}")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     specs = [spec.split(":") for spec in args.products or ()]
     unknown = sorted({kernel for _, kernel in specs} - set(KERNELS))
     if unknown:

@@ -151,7 +151,7 @@ def analyse(fmt: str, n: int, k: int, m: int, opts: dict) -> dict:
                 opcodes=collections.Counter(body).most_common(8))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="text table")
     ap.add_argument("--cases", nargs="+", default=CASES, metavar="FMT:N:K:M")
@@ -160,7 +160,7 @@ def main() -> None:
                                                 "one to M tokens)")
     ap.add_argument("--allocs", action="store_true",
                     help="also list each kernel's shared memory buffers (pipeline stages x tile) from its TTGIR")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import triton
 
     head = (f"# python scripts/qmatmul_sass.py {' '.join(sys.argv[1:])}\n# jax {jax.__version__}, pip triton "

@@ -39,12 +39,12 @@ def run(mode: str, budget: str = "default") -> dict:
             "settings": STATS_TAG.search(done.stderr).group(1)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budgets", default="default", help="comma-separated: default (the backend's) or numbers")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     runs = {"ar": [], **{f"ddtree {b}": [] for b in args.budgets.split(",")}}
     for r in range(args.rounds):
         for name in runs:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import environment, median_seconds  # noqa: E402
 
 from dflash_jax import assets  # noqa: E402
-from dflash_jax.config import EngineConfig  # noqa: E402
+from dflash_jax.defaults import resolve_engine, resolve_kernels  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.gguf import GGUFModel  # noqa: E402
@@ -31,17 +31,17 @@ from dflash_jax.models import target as T  # noqa: E402
 from dflash_jax.tokenizer import load_tokenizer  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    target = load_target(assets.DEFAULT_TARGET, progress=False)
-    draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False, impl=target.impl)
+    args = ap.parse_args(argv)
+    target = load_target(assets.DEFAULT_TARGET, progress=False, kcfg=resolve_kernels())
+    draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False, kcfg=target.kcfg)
     model = GGUFModel(assets.DEFAULT_TARGET)  # the matrices as stored (QTensors), before prepare_matrices
     stored_params = T.params_from_tensors(model.config, {n: jax.tree.map(jnp.asarray, model.load(n))
                                                          for n in model.tensors})
     tok = load_tokenizer(assets.DEFAULT_TARGET)
-    engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=22, max_ctx=256))
+    engine = Engine.from_loaded(target, draft, resolve_engine("ddtree", budget=22, max_ctx=256))
     state, _ = engine.start(tok.encode("class Stack:\n    def __init__(self):\n"), 64, tok.stop_ids)
     ms = {}
 
@@ -79,7 +79,7 @@ def main() -> None:
                                                             "reference")[0],
              state.target, nodes.tokens[:n], nodes.parents[:n])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**environment(), "impl": target.impl, "ms": ms}, indent=1))
+    args.out.write_text(json.dumps({**environment(), "impl": target.kcfg.impl, "ms": ms}, indent=1))
 
 
 if __name__ == "__main__":

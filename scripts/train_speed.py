@@ -44,7 +44,7 @@ def timed(trainer, data, steps: int) -> dict:
                 tokens_per_s=b * s / per_step, loss=float(m["loss"])), params
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--hidden", type=int, default=512)
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--draft_layers", type=int, default=2)
     ap.add_argument("--anchors", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = code_target_config(args.hidden, args.layers, args.vocab, 3 * args.hidden)
     rows = []
     for batch in args.batch:

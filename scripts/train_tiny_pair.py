@@ -210,7 +210,7 @@ def draft_stage(out: Path, args) -> None:
     from dflash_jax.training.draft_trainer import BlockConfig, draft_config_for, draft_trainer
     from dflash_jax.training.loop import TrainConfig
 
-    target = load_target(out / "target.gguf", impl="reference", progress=False)
+    target = load_target(out / "target.gguf", progress=False)  # the reference kernels
     tok = load_tokenizer(out / "target.gguf")
     cfg = draft_config_for(target.config, tok.special["<|mask|>"], args.draft_layers, args.block_size, args.taps)
     tc = TrainConfig(steps=args.draft_steps, batch=args.batch, seq_len=args.seq_len, lr=args.draft_lr, warmup=0.04,
@@ -230,7 +230,7 @@ def draft_stage(out: Path, args) -> None:
         f"acceptance {evaluation['accept']:.2f}; model.safetensors {size / 1e6:.1f} MB")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stage", choices=["corpus", "target", "draft", "all"], default="all")
@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--save_every", type=int, default=250)
     ap.add_argument("--time_limit", type=float, default=0,
                     help="seconds from the start; training stops at its next checkpoint after it (rerun to continue)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.deadline = time.monotonic() + args.time_limit if args.time_limit else None
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage in ("corpus", "all") and not (args.out / "test_ids.npy").exists():

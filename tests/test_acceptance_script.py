@@ -14,13 +14,8 @@ def test_acceptance_script_measures_each_configuration(tiny_gguf_path, tmp_path,
     prompts = tmp_path / "code.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("def f(x):\n", "import os\n", "x = [1, 2")))
     out = tmp_path / "r.json"
-    argv = sys.argv
-    sys.argv = ["acceptance.py", "--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--sets",
-                str(prompts), "--n_gen", "12", "--budgets", "3", "--impl", "reference", "--out", str(out)]
-    try:
-        acceptance.main()
-    finally:
-        sys.argv = argv
+    acceptance.main(["--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--sets", str(prompts),
+                     "--n_gen", "12", "--budgets", "3", "--out", str(out)])
     report = json.loads(out.read_text())
     rows = report["sets"]["code"]["results"]
     assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("chain", None), ("ddtree", 3)]
@@ -28,6 +23,9 @@ def test_acceptance_script_measures_each_configuration(tiny_gguf_path, tmp_path,
         assert r["same_as_ar"] == 3 and r["decoded"] == rows[0]["decoded"] <= 3 * 11  # the first is from prefill
         assert r["al"] == r["decoded"] / r["steps"] == sum((i + 1) * n for i, n in enumerate(r["histogram"])) / \
             r["steps"]
-    assert rows[0]["al"] == 1.0 and rows[0]["steps"] == rows[0]["decoded"] and len(rows[2]["histogram"]) == 4  # a budget-3 tree emits at most 4 per step
+    # a budget-3 tree emits at most 4 per step
+    assert rows[0]["al"] == 1.0 and rows[0]["steps"] == rows[0]["decoded"] and len(rows[2]["histogram"]) == 4
+    # with no engine flags, the configuration a user's `generate` runs on this machine (a CPU)
+    assert (report["kernels"]["impl"], report["kv_dtype"], report["chain_seed"]) == ("reference", "float32", "auto")
     table = (tmp_path / "r.txt").read_text()
     assert table == capsys.readouterr().out.rstrip("\n") + "\n" and "ddtree      3" in table and "1.00x" in table

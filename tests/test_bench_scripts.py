@@ -12,12 +12,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def run_script(module, argv):
-    saved = sys.argv
-    sys.argv = [module.__name__ + ".py", *argv]
-    try:
-        module.main()
-    finally:
-        sys.argv = saved
+    module.main(argv)
 
 
 def test_fit_verify_cost_recovers_lines():
@@ -47,6 +42,7 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert step["mode"] == "ddtree" and step["budget"] == 4 and step["phases_ms"]["verify_tokens"] == 5
     assert all(step["phases_ms"][k] > 0 for k in ("draft", "tree", "verify", "accept_commit"))
     assert any("_step" in r["name"] for r in res["compile"])
+    assert res["kernels"]["impl"] == "reference" and res["engine"]["kv_dtype"] == "float32"  # a CPU's defaults
     printed = capsys.readouterr().out
     assert "forced DDTree-4: AL" in printed and " ddtree      4 " in printed
     merged = tmp_path / "merged.json"
@@ -68,92 +64,23 @@ def test_bench_summary_of_long_contexts_alone():
                      "context 32768: AR 20.00 ms, DDTree-22 30.00 ms (1.50 x), peak 2.0 GiB"]
 
 
-def test_bench_kernel_switches_last_one_run(tmp_path, monkeypatch):
-    """--one_token tensor_cores sends one-token products to the tensor-core kernel, --dequant jnp makes its tiles
-    without inline PTX, --gemv_dequant jnp the GEMV's too, --prefetch sets the kernels' loads ahead, --int8_x and
-    --int8_mma the int8 kernels, --wgmma the operand order, during the run and only then; with none of them the run
-    takes qmatmul's defaults."""
+def test_bench_resolves_the_configuration_generate_resolves():
+    """With no flags, scripts/bench.py runs what `generate` runs on this machine: the same EngineConfig and KernelConfig
+    from the same resolution (dflash_jax/defaults.py), its flags meaning what generate's mean."""
+    from absl import flags
+
     import bench
-    from pallas_kernels import qmatmul as qm
+    from benchlib import engine_settings
+    from dflash_jax import generate
 
-    state = lambda: (qm.qmatmul, dict(qm.PREFETCH), dict(qm.ASM), qm.INT8_X, qm.INT8_MMA, qm.WGMMA)  # noqa: E731
-    shipped, seen = state(), []
-    monkeypatch.setattr(bench, "run", lambda args: seen.append(state()))
-    out = ["--out", str(tmp_path / "x.json")]
-    run_script(bench, out + ["--one_token", "tensor_cores"])
-    run_script(bench, out + ["--dequant", "jnp", "--gemv_dequant", "jnp", "--prefetch", "gemv=2,mma=1",
-                             "--int8_x", "0", "--int8_mma", "1", "--wgmma", "1"])
-    run_script(bench, out)
-    assert seen[0][0].func is shipped[0] and seen[0][0].keywords == {"gemv": False} and seen[0][1:] == shipped[1:]
-    assert seen[1] == (shipped[0], {"gemv": 2, "mma": 1}, {"gemv": False, "mma": False}, 0, 1, 1)
-    assert shipped[2:] == ({"gemv": True, "mma": True}, 2, False, False)  # so the switches above changed something
-    assert seen[2] == shipped and state() == shipped
-    with pytest.raises(SystemExit):
-        run_script(bench, out + ["--prefetch", "tensor=1"])
-
-
-def test_bench_mgpu_switches_last_one_run(tmp_path, monkeypatch):
-    """--mgpu 2 --mgpu_formats Q4_K --mgpu_nibbles subnormal --mgpu_cols 64 --mgpu_split_sum tma_add --small_rows 0
-    packs Q4_K alone for the Mosaic GPU kernel, in its layout alone and with its nibbles in that form, 64 columns a
-    wgmma call, the K splits added by TMA, every quantized matrix on the kernels, during the run, and only then."""
-    import bench
-    from dflash_jax import kernels
-    from pallas_kernels import qmatmul as qm
-    from pallas_kernels import qmatmul_mgpu as mg
-
-    state = lambda: (qm.MGPU_LAYOUT, qm.MGPU_FORMATS, mg.NIBBLE, mg.COLS, mg.SPLIT_SUM, kernels.SMALL_ROWS)  # noqa
-    shipped, seen = state(), []
-    monkeypatch.setattr(bench, "run", lambda args: seen.append(state()))
-    run_script(bench, ["--out", str(tmp_path / "x.json"), "--mgpu", "2", "--mgpu_formats", "Q4_K",
-                       "--mgpu_nibbles", "subnormal", "--mgpu_cols", "64", "--mgpu_split_sum", "tma_add",
-                       "--small_rows", "0"])
-    assert seen == [("only", ("Q4_K",), "subnormal", 64, "tma_add", 0)]
-    assert state() == shipped == (False, ("Q4_K", "Q6_K"), "magic", 32, "xla", 64)
-
-
-def test_bench_attention_tiles_last_one_run(tmp_path, monkeypatch):
-    """--attn_tiles 32,2 gives the tree-attention kernel 32-row programs and two pipeline stages (the tiles before
-    2026-11-27) during the run, and only then."""
-    import bench
-    from dflash_jax import kernels
-
-    shipped, seen = kernels._tree_attention_kernel, []
-    monkeypatch.setattr(bench, "run", lambda args: seen.append(kernels._tree_attention_kernel))
-    run_script(bench, ["--out", str(tmp_path / "x.json"), "--attn_tiles", "32,2"])
-    assert seen[0].func is shipped and seen[0].keywords == {"block_rows": 32, "num_stages": 2}
-    assert kernels._tree_attention_kernel is shipped
-
-
-def test_ar_variants_set_qmatmul_options_and_restore_them(tmp_path, capsys):
-    """scripts/ar_variants.py on the tiny pair: each variant's options are in force for its run only, every round
-    runs every variant, the table is printed; unknown keys are refused."""
-    import ar_variants
-    from pallas_kernels import qmatmul as qm
-
-    shipped = ar_variants.qmatmul_defaults()
-    out = tmp_path / "ar.json"
-    run_script(ar_variants, ["--out", str(out), "--model", "tiny", "--impl", "reference", "--variants", "shipped",
-                             "int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", "--rounds", "2", "--n_gen", "4",
-                             "--prompt_len", "8", "--max_ctx", "64", "--repeats", "2"])
-    assert ar_variants.qmatmul_defaults() == shipped
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["variant"], r["round"]) for r in rows] == [
-        ("shipped", 1), ("int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", 1), ("shipped", 2),
-        ("int8_x=1,gemv_prefetch=2,int8_block_n=16,mma_asm=0", 2)]
-    assert (rows[0]["int8_x"], rows[0]["prefetch"], rows[0]["asm"]) == (qm.INT8_X, qm.PREFETCH, qm.ASM)
-    assert rows[1]["int8_x"] and rows[1]["prefetch"]["gemv"] == 2 and rows[1]["int8_tiles"][0] == 16
-    assert not rows[1]["asm"]["mma"] and all(r["step_ms"] > 0 and r["parts_at"] is None for r in rows)
-    assert all(len(r["step_ms_each"]) == 2 and min(r["step_ms_each"]) <= r["step_ms"] for r in rows)
-    assert "greedy tokens part at" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="unknown option"):
-        ar_variants.options("gemv_tiles=3")
-
-
-def test_gemv_probe_kernels_match_the_reference():
-    """The probe's GEMV variants behind the README's sweep (interpret mode) agree with qmatmul's reference."""
-    import qmatmul_gemv_probe
-
-    qmatmul_gemv_probe.check_all()
+    fv = flags.FlagValues()
+    generate.define_flags(fv)
+    fv(["generate"])
+    assert engine_settings(bench.parse_args(["--out", "x.json"])) == generate.resolve_flags(fv, max_ctx=4096)
+    flagged = ["--budget", "5", "--topk", "3", "--chain_seed", "--kv_dtype", "bfloat16"]
+    fv(["generate", *flagged, "--nomgpu"])  # argparse spells absl's --nomgpu --no-mgpu
+    bench_args = bench.parse_args(["--out", "x.json", *flagged, "--no-mgpu"])
+    assert engine_settings(bench_args) == generate.resolve_flags(fv, max_ctx=4096)
 
 
 def test_bench_kernels_qmatmul_section_on_a_small_matrix(tmp_path, monkeypatch, capsys):
@@ -185,54 +112,6 @@ def test_bench_kernels_qmatmul_section_on_a_small_matrix(tmp_path, monkeypatch, 
     assert not any("kernel_us" in r for r in rows)
     printed = capsys.readouterr().out
     assert "small        Q4_K      40    512" in printed and "M=1 TC" in printed
-
-
-def test_rows_probe_kernels_match_the_reference():
-    """The 16-32 row probe's variants behind the README's findings (interpret mode) agree with qmatmul's reference."""
-    import qmatmul_rows_probe
-
-    qmatmul_rows_probe.check()
-
-
-def test_mgpu_probe_reference_is_q4k_from_its_fields():
-    """scripts/mgpu_probe.py's `codes` layout (quants stored as q - 8, 6-bit scales and mins, d and dmin per
-    256 columns) multiplies as Q4_K's d sc q - dmin m, computed here from the fields directly."""
-    import jax
-    import numpy as np
-
-    import mgpu_probe
-
-    n, k = 64, 512
-    w, x, (codes, dd) = mgpu_probe.inputs(jax.random.key(3), n, k, 8, "int4", True, sub=1, codes=1)
-    q = np.asarray(w, np.int32) + 8
-    c, d = np.asarray(codes, np.float64), np.asarray(dd, np.float64)
-    want = np.zeros((n, k))
-    for col in range(k):
-        sb, j = divmod(col, 256)
-        j //= 32
-        want[:, col] = d[2 * sb] * c[16 * sb + j] * q[:, col] - d[2 * sb + 1] * c[16 * sb + 8 + j]
-    got = mgpu_probe.reference(w, x, codes, dd, sub=1, codes=1)
-    np.testing.assert_allclose(got, want @ np.asarray(x, np.float64).T, rtol=2e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("variant", ["wtype=int4,scaled=1,splits=2", "wtype=int4,scaled=1,sub=1,codes=1,math=f16"])
-def test_mgpu_probe_kernels_lower_for_cuda_on_a_cpu(variant):
-    """The probe's Mosaic GPU kernels trace and lower for CUDA with no GPU, as `--lower` does before a device run
-    (their numbers come from a GPU run, scripts/results/mgpu_probe_*_h200.txt)."""
-    import functools
-
-    import jax
-
-    import mgpu_probe
-    from benchlib import parse_options
-
-    opts = parse_options(variant)
-    wtype, scaled = opts.pop("wtype"), bool(opts.pop("scaled"))
-    w, x, so = mgpu_probe.inputs(jax.random.key(0), 128, 512, 24, wtype, scaled, sub=opts.get("sub", 0),
-                                 codes=opts.get("codes", 0))
-    lowered = jax.jit(functools.partial(mgpu_probe.mgpu_matmul, **opts)).trace(w, x, *so).lower(
-        lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_budget_sweep_on_the_fixture_pair(tiny_gguf_path, tmp_path):
@@ -322,7 +201,7 @@ def test_attn_smem_lowers_tree_attention_with_its_default_stages():
         assert '"tt.dot"' in ir_text and (warps, stages) == (4, expected), (dtype, warps, stages)
 
 
-def test_mgpu_ptx_counts_the_kernels_instructions(capsys, monkeypatch):
+def test_mgpu_ptx_counts_the_kernels_instructions(capsys):
     """scripts/mgpu_ptx.py without a GPU: opcodes counted per statement (predicated, labelled, inside inline
     assembly, several on a line; directives and comments not), and its report on the saved dump of the kernel."""
     import mgpu_ptx
@@ -345,8 +224,7 @@ def test_mgpu_ptx_counts_the_kernels_instructions(capsys, monkeypatch):
     assert counts == {"bra.uni": 1, "lop3.b32": 1, "sub.f16x2": 1, "setp.ne.b32": 1, "mov.b32": 1,
                       "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16": 1}
     saved = ROOT / "scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx"
-    monkeypatch.setattr(sys, "argv", ["mgpu_ptx.py", "--read", str(saved)])
-    mgpu_ptx.main()
+    mgpu_ptx.main(["--read", str(saved)])
     out = capsys.readouterr().out
     # per super-block step: 8 sub-blocks of 2 wgmma and 8 lop3/sub/fma; no shuffle or prmt left in the conversion
     for line in ("Used 64 registers", "wgmma.mma_async              16", "lop3                         64",
@@ -364,7 +242,7 @@ def test_mgpu_ptx_counts_the_kernels_instructions(capsys, monkeypatch):
                                                     "loop: WARPGROUP 1, HFMA2 1, HGMMA 1, BRA 1")
 
 
-def test_mgpu_ptx_assembles_the_saved_dump(capsys, monkeypatch):
+def test_mgpu_ptx_assembles_the_saved_dump(capsys):
     """scripts/mgpu_ptx.py --sass on the saved PTX of the shipped kernel, assembled by pip triton's ptxas: its loop
     (one super-block step) is 512 SASS instructions with no byte permute left (the scale broadcasts fold into the
     fma's operand selectors)."""
@@ -372,8 +250,7 @@ def test_mgpu_ptx_assembles_the_saved_dump(capsys, monkeypatch):
     import mgpu_ptx
 
     saved = ROOT / "scripts/results/ptx/qmatmul_mgpu_scale_words_m23_h100.ptx"
-    monkeypatch.setattr(sys, "argv", ["mgpu_ptx.py", "--read", str(saved), "--sass"])
-    mgpu_ptx.main()
+    mgpu_ptx.main(["--read", str(saved), "--sass"])
     out = capsys.readouterr().out
     assert "the pipeline loop 512" in out and "PRMT" not in out.split("loop: ")[-1]
 
@@ -386,21 +263,6 @@ def test_weight_bytes_by_format_of_the_27b():
     by_format = bench_kernels.weight_bytes_by_format()
     assert sorted(by_format) == ["Q4_K", "Q6_K"] and bench_kernels.ar_weight_bytes() == sum(by_format.values())
     assert round(by_format["Q4_K"] / 1e9, 2) == 11.36 and round(by_format["Q6_K"] / 1e9, 2) == 4.45
-
-
-def test_mgpu_head_tree_passes_with_the_reference_product(monkeypatch, capsys):
-    """scripts/mgpu_head_tree.py's checks hold where nothing is wrong: with qmatmul's reference product (a CPU) every
-    variant reports OK, so a WRONG on a GPU is the kernel's or the compiler's, not the harness's (the tree's later
-    siblings, which 1e-3 of the head may reorder, are not compared)."""
-    import mgpu_head_tree
-    from pallas_kernels import qmatmul as qm
-
-    monkeypatch.setattr(qm, "qmatmul", lambda x, w: qm.qmatmul_reference(x, w))
-    monkeypatch.setattr(qm, "MGPU_LAYOUT", qm.MGPU_LAYOUT)  # main sets both; restored after
-    monkeypatch.setattr(qm, "MGPU_FORMATS", qm.MGPU_FORMATS)
-    mgpu_head_tree.main(["--fmt", "Q6_K", "--rows", "2048", "--cols", "256"])
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 11 and all("WRONG" not in line and "OK" in line for line in lines), lines
 
 
 def test_compare_kernel_runs_pairs_products_by_name_and_options(tmp_path, capsys):

@@ -26,12 +26,7 @@ def toy_run(tmp_path_factory):
     import train_tiny_pair
 
     out = tmp_path_factory.mktemp("tiny")
-    argv = sys.argv
-    sys.argv = ["train_tiny_pair.py", "--out", str(out), *ARGS]
-    try:
-        train_tiny_pair.main()
-    finally:
-        sys.argv = argv
+    train_tiny_pair.main(["--out", str(out), *ARGS])
     return out
 
 
@@ -75,15 +70,10 @@ def test_what_it_writes_decodes_losslessly(toy_run):
 def test_a_rerun_skips_finished_stages_and_an_edited_checkpoint_is_refused(toy_run, capsys):
     import train_tiny_pair
 
-    argv = sys.argv
-    sys.argv = ["train_tiny_pair.py", "--out", str(toy_run), *ARGS]
+    argv = ["--out", str(toy_run), *ARGS]
     before = (toy_run / "target.gguf").read_bytes()
-    try:
-        train_tiny_pair.main()  # every stage's outputs exist: nothing runs
-        assert (toy_run / "target.gguf").read_bytes() == before and "step" not in capsys.readouterr().err
-        (toy_run / "target_report.json").unlink()
-        sys.argv += ["--lr", "5e-3"]  # the checkpoint was written with --lr 1e-2
-        with pytest.raises(SystemExit, match="written with other settings"):
-            train_tiny_pair.main()
-    finally:
-        sys.argv = argv
+    train_tiny_pair.main(argv)  # every stage's outputs exist: nothing runs
+    assert (toy_run / "target.gguf").read_bytes() == before and "step" not in capsys.readouterr().err
+    (toy_run / "target_report.json").unlink()
+    with pytest.raises(SystemExit, match="written with other settings"):
+        train_tiny_pair.main(argv + ["--lr", "5e-3"])  # the checkpoint was written with --lr 1e-2
