@@ -75,7 +75,7 @@ def prepare_matrix(x: Any, impl: str) -> Any:
     """One tensor in the layout `impl` computes with (for `pallas`, a quantized QTensor -> PackedWeight, or float32
     below `SMALL_ROWS` rows)."""
     if resolve_impl(impl) == "pallas" and isinstance(x, QTensor) and x.fmt in qm.QUANTIZED_FORMATS:
-        return dequantize(x) if x.shape[0] < SMALL_ROWS else qm.pack(x)
+        return dequantize(x) if x.shape[0] < SMALL_ROWS else qm.pack(x.fmt, x.shape, x.data)
     return x
 
 
