@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from gguf import GGMLQuantizationType as GT
 
-QK_K = 256  # super-block size of the K-quants
+from pallas_kernels.ggml import QK_K, k_scale_min, nibbles, q6_k_quants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +127,6 @@ def _f32(x: jax.Array) -> jax.Array:
     return jnp.asarray(x).astype(jnp.float32)
 
 
-def _nibbles(qs: jax.Array) -> jax.Array:
-    """[..., n] bytes -> [..., 2, n]: low nibbles, then high nibbles."""
-    return jnp.stack([qs & 0xF, qs >> 4], axis=-2)
-
-
 def _bits(bytes_: jax.Array, nbits: int) -> jax.Array:
     """[..., n] bytes -> [..., nbits, n]: bit j of every byte in row j."""
     shifts = jnp.arange(nbits, dtype=jnp.uint8)[:, None]
@@ -139,18 +134,18 @@ def _bits(bytes_: jax.Array, nbits: int) -> jax.Array:
 
 
 def _q4_0(d, qs):
-    q = _nibbles(qs).reshape(*qs.shape[:-1], 32)
+    q = nibbles(qs).reshape(*qs.shape[:-1], 32)
     return _f32(d) * (_f32(q) - 8.0)
 
 
 def _q4_1(d, m, qs):
-    q = _nibbles(qs).reshape(*qs.shape[:-1], 32)
+    q = nibbles(qs).reshape(*qs.shape[:-1], 32)
     return _f32(d) * _f32(q) + _f32(m)
 
 
 def _q5_low_high(qh, qs):
     """Q5_0/Q5_1: 5-bit quants from 16 nibble bytes and 32 high bits (bit j of the little-endian uint32)."""
-    low = _nibbles(qs).reshape(*qs.shape[:-1], 32)
+    low = nibbles(qs).reshape(*qs.shape[:-1], 32)
     high = jnp.swapaxes(_bits(qh, 8), -1, -2).reshape(*qh.shape[:-1], 32)  # element j = byte j//8, bit j%8
     return low | (high << 4)
 
@@ -167,14 +162,6 @@ def _q8_0(d, qs):
     return _f32(d) * _f32(qs)
 
 
-def k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Unpack the 12-byte Q4_K/Q5_K scale field [..., 12] into 6-bit scales and mins, each [..., 8]."""
-    lo, hi, mix = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
-    sc = jnp.concatenate([lo & 63, (mix & 0xF) | ((lo >> 2) & 0x30)], axis=-1)
-    mn = jnp.concatenate([hi & 63, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
-    return sc, mn
-
-
 def _k_affine(d, dmin, scales, q):
     """y = d * sc_j * q - dmin * m_j over the 8 sub-blocks of 32; q is [..., 8, 32]."""
     sc, mn = k_scale_min(scales)
@@ -184,22 +171,13 @@ def _k_affine(d, dmin, scales, q):
 
 
 def _q4_k(d, dmin, scales, qs):
-    q = _nibbles(qs.reshape(*qs.shape[:-1], 4, 32))  # [..., 4, 2, 32]: group p holds sub-blocks 2p, 2p+1
+    q = nibbles(qs.reshape(*qs.shape[:-1], 4, 32))  # [..., 4, 2, 32]: group p holds sub-blocks 2p, 2p+1
     return _k_affine(d, dmin, scales, q.reshape(*qs.shape[:-1], 8, 32))
 
 
 def _q5_k(d, dmin, scales, qh, qs):
-    low = _nibbles(qs.reshape(*qs.shape[:-1], 4, 32)).reshape(*qs.shape[:-1], 8, 32)
+    low = nibbles(qs.reshape(*qs.shape[:-1], 4, 32)).reshape(*qs.shape[:-1], 8, 32)
     return _k_affine(d, dmin, scales, low | (_bits(qh, 8) << 4))  # sub-block j's 5th bit is bit j of qh[l]
-
-
-def q6_k_quants(ql: jax.Array, qh: jax.Array) -> jax.Array:
-    """Q6_K's 6-bit quants (0..63, before the offset of 32) [..., 256] uint8 in column order, from its ql [..., 128]
-    and qh [..., 64] bytes."""
-    lead = ql.shape[:-1]
-    low = _nibbles(ql.reshape(*lead, 2, 64)).reshape(*lead, 2, 4, 32)  # group 2s + c of half h: ql[64h+32c+l] >> 4s
-    high = (qh.reshape(*lead, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]) & 3  # [..., 2, 4, 32]
-    return (low | (high << 4)).reshape(*lead, QK_K)
 
 
 def _q6_k(ql, qh, scales, d):

@@ -10,10 +10,10 @@ launch, updating the stacked state in place: S_a = exp(gamma_a) S0 + sum over th
 exp(gamma_a - gamma_j) k_j v'_j^T.
 
 The references are `reference.gdn_block`, `reference.gdn_chunked` and `reference.gdn_path_state`. Operands and the
-state are float32; the products run in TF32 on the GPU by default (`precision="tf32"`, JAX's own default for float32
-matmuls on a GPU: 4.7e-4 relative error against float32 on a 27B layer), or as three TF32 passes ("tf32x3") or on
-the FMA units ("f32"), which measured 2-3x slower (scripts/gdn_probe.py). In interpret mode (CPU) every choice is exact
-float32. Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
+state are float32; the products run in TF32 on the GPU (Precision.DEFAULT, JAX's own default for float32 matmuls on a
+GPU: 4.7e-4 relative error against float32 on a 27B layer; three TF32 passes or the FMA units measured 2-3x slower,
+scripts/results/gdn_probe_h100.txt) and in exact float32 in interpret mode (the CPU has no TF32). Pallas Triton
+backend; `interpret=True` runs it on CPU for the tests.
 """
 
 from __future__ import annotations
@@ -28,19 +28,15 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import reference as ref
 from pallas_kernels.tiles import dot_tile
 
-PRECISIONS = {"tf32": jax.lax.Precision.DEFAULT, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-              "f32": jax.lax.Precision.HIGHEST}
-
 
 def _dot(a: jax.Array, b: jax.Array, precision, ta: bool = False, tb: bool = False) -> jax.Array:
     dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _precision(name: str, interpret: bool):
-    if name not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
-    return jax.lax.Precision.HIGHEST if interpret else PRECISIONS[name]  # the CPU has no TF32
+def _precision(interpret: bool):
+    """The products' precision: TF32 on the GPU, exact float32 in interpret mode (module docstring)."""
+    return jax.lax.Precision.HIGHEST if interpret else jax.lax.Precision.DEFAULT
 
 
 def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
@@ -96,11 +92,10 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
         out_refs[3][h, :, cols] = state
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "num_warps", "num_stages", "precision",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "num_warps", "num_stages", "interpret"))
 def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
                anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None, block_v: int = 128,
-               num_warps: int = 8, num_stages: int = 1, precision: str = "tf32", interpret: bool = False):
+               num_warps: int = 8, num_stages: int = 1, interpret: bool = False):
     """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
 
     Returns (o [T, H, dv], v_new [T, H, dv], gamma [T, H]) and, with `final`, the state after the last token of
@@ -126,8 +121,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     if final:
         out_shape.append(jax.ShapeDtypeStruct((h, dk, dv), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, final,
-                          _precision(precision, interpret)),
+        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, final, _precision(interpret)),
         out_shape=tuple(out_shape),
         grid=(h, dv // block_v),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -177,10 +171,9 @@ def _commit_kernel(block_v: int, precision, leaf_ref, path_ref, k_ref, vn_ref, g
                                 + _dot(wts[:, None] * k, vn_ref[layer, :, h, cols], precision, ta=True))
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "precision", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
 def gdn_commit(ssm: jax.Array, k: jax.Array, v_new: jax.Array, gamma: jax.Array, path: jax.Array,
-               leaf: jax.Array, *, block_v: int = 32, num_warps: int = 8, precision: str = "tf32",
-               interpret: bool = False) -> jax.Array:
+               leaf: jax.Array, *, block_v: int = 32, num_warps: int = 8, interpret: bool = False) -> jax.Array:
     """Every layer's state after the accepted path: ssm [L, H, dk, dv] (updated in place where its buffer is not
     needed afterwards, e.g. inside the jitted step), k [L, N, H, dk],
     v_new [L, N, H, dv], gamma [L, N, H] from verify, path [N] bool, leaf [] -> [L, H, dk, dv]."""
@@ -191,7 +184,7 @@ def gdn_commit(ssm: jax.Array, k: jax.Array, v_new: jax.Array, gamma: jax.Array,
     pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, n_pad - n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     path = jnp.pad(path, (0, n_pad - n)).astype(jnp.int32)
     return pl.pallas_call(
-        functools.partial(_commit_kernel, block_v, _precision(precision, interpret)),
+        functools.partial(_commit_kernel, block_v, _precision(interpret)),
         out_shape=jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
         grid=(layers, h, dv // block_v),
         input_output_aliases={5: 0},

@@ -1,17 +1,15 @@
 """One-token products with int8 activations: Q4_K/Q6_K weights times x quantized per weight group, by dp4a.
 
-The float GEMV (qmatmul's `_gemv_kernel`) spends 5.75-11.6 instructions per weight turning quants into floats
+The float GEMV (qmatmul_triton's `_gemv_kernel`) spent 5.75-11.6 instructions per weight turning quants into floats
 (scripts/results/qmatmul_sass_cpu.txt). Here x is quantized instead, as llama.cpp's MMVQ does: each group of
-weights that shares a scale (Q4_K: 32, Q6_K: 16) gets an int8 copy of its activations and one float scale
-(`quantize_x`, by XLA ops before the kernel; or by each program for its own K steps, `in_kernel`). The kernel
-reads the quants as 32-bit words of 4 bytes (a free bitcast of the packed layout), isolates each plane's 4 quants
-in a word with a shift and a mask and multiplies them with 4 int8 activations by one dp4a (`dots`), sums a group's
-dots in int32 and applies the group's scales once: 2.4-2.7 SASS instructions per weight with x quantized before the
-kernel, 2.3-6.6 with it quantized inside (fewer with more rows per program). The product is exact for the
-quantized x (`gemv_int8_reference`, to float32 rounding); against x itself it carries int8's rounding (about 0.5 %
-of a product's size for Gaussian x). qmatmul takes it by default for one token of a Q4_K/Q6_K weight, x quantized
-inside, 16 rows a program (`INT8_X`, `GEMV_INT8_TILES`): the 27B's AR step 11.9 against 12.7 ms with the float
-GEMV on an H100 (scripts/results/ar_int8_in_kernel_h100.txt).
+weights that shares a scale (Q4_K: 32, Q6_K: 16) gets an int8 copy of its activations and one float scale, made by
+each program for its own K steps (`quantize_groups`). The kernel reads the quants as 32-bit words of 4 bytes (a free
+bitcast of the packed layout), isolates each plane's 4 quants in a word with a shift and a mask and multiplies them
+with 4 int8 activations by one dp4a (`dots`), sums a group's dots in int32 and applies the group's scales once:
+2.3-6.6 SASS instructions per weight (fewer with more rows per program). The product is exact for the quantized x
+(`gemv_int8_reference`, to float32 rounding); against x itself it carries int8's rounding (about 0.5 % of a
+product's size for Gaussian x). qmatmul takes it for one token of a Q4_K/Q6_K weight, 16 rows a program (`TILES`):
+the 27B's AR step 11.9 against 12.7 ms with the float GEMV on an H100 (scripts/results/ar_int8_in_kernel_h100.txt).
 """
 
 from __future__ import annotations
@@ -23,9 +21,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.qmatmul import INT8_X_FORMATS as FORMATS
-from pallas_kernels.qmatmul import (PackedWeight, dequantize_packed, k_steps, prefetch_loop, sum_splits,
-                                    tile_reader)
+from pallas_kernels.qcommon import PackedWeight, dequantize_packed, k_steps, prefetch_loop, sum_splits, tile_reader
+
+FORMATS = ("Q4_K", "Q6_K")
+TILES = (16, 1024, 4)  # (rows of W per program, columns per K step, warps)
+STAGES = 3  # Triton pipeline stages
+PREFETCH = 1  # K steps loaded ahead of the one computed (qcommon.prefetch_loop)
 NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of a word
 
 
@@ -46,7 +47,7 @@ def _ungroup(fmt: str, g: jax.Array) -> jax.Array:
 
 def quantize_groups(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(int32 quants in [-127, 127], float32 scales) of float32 groups g [..., group]: each group's largest |x| maps
-    to 127, rounded half up (Pallas' Triton lowering has no round). The wrapper and the kernel run this same code."""
+    to 127, rounded half up (Pallas' Triton lowering has no round). The kernel and the reference run this same code."""
     amax = jnp.max(jnp.abs(g), axis=-1)
     inv = jnp.where(amax > 0, 127 / jnp.where(amax > 0, amax, 1), 0)
     q = jnp.clip(jnp.floor(g * inv[..., None] + 0.5), -127, 127).astype(jnp.int32)
@@ -65,13 +66,6 @@ def _quantized_groups(fmt: str, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return quantize_groups(_groups(fmt, x.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
-def quantize_x(fmt: str, x: jax.Array) -> dict[str, jax.Array]:
-    """The kernel's activations for x [K] when quantized before it (`int8_x=1`): `words` (int32, 4 int8 quants each,
-    [planes, sb, ..., group / 4]), `scale` (float32 per group) and `qsum` (int32 sum of each group's quants)."""
-    q, scale = _quantized_groups(fmt, x)
-    return {"words": pack_words(q), "scale": scale, "qsum": jnp.sum(q, axis=-1)}
-
-
 def dequantized_x(fmt: str, x: jax.Array) -> jax.Array:
     """x [K] as the kernel sees it: its int8 quants times their group's scale."""
     q, scale = _quantized_groups(fmt, x)
@@ -79,7 +73,7 @@ def dequantized_x(fmt: str, x: jax.Array) -> jax.Array:
 
 
 def x_blocks(fmt: str, x: jax.Array) -> jax.Array:
-    """x [K] reshaped (no copy) so that a plane's groups of a K step are one strided load (`int8_x=2`): Q4_K
+    """x [K] reshaped (no copy) so that a plane's groups of a K step are one strided load: Q4_K
     [sb, p, nib, 32], Q6_K [sb, h, c, half, 16]."""
     return x.reshape((-1, 4, 2, 32) if fmt == "Q4_K" else (-1, 2, 4, 2, 16))
 
@@ -141,9 +135,10 @@ def dots(fmt: str, quants: list[jax.Array], x: list[jax.Array], asm: bool) -> li
             for c in range(4)]
 
 
-def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
-            prefetch: int, in_kernel: bool, *refs):
-    x_refs, (*w_refs, o_ref) = (refs[:1], refs[1:]) if in_kernel else (refs[:3], refs[3:])
+def _gemv_int8_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], asm: bool,
+                      *refs):
+    # x_ref `x_blocks`' [sb, ...] float32; w_refs [N, units, ...] (`weight_words`); o_ref [splits, 1, N']
+    x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
     row_ok = (r0 + jnp.arange(block_n)) < n
@@ -153,10 +148,8 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
         i = split * steps + i
         get = tile_reader(w, r0, row_ok, block_n, i * step, step, valid)
         x = pl.ds(i * step, step)
-        if in_kernel:  # each plane's float x: [step, 4, 32] (Q4_K) or [step, 2, 2, 16] (Q6_K)
-            tiles = {"xf": [x_refs[0][x, :, c] for c in range(planes)]}
-        else:
-            tiles = {key: [ref[c, x] for c in range(planes)] for key, ref in zip(("x", "xs", "xq"), x_refs)}
+        # each plane's float x: [step, 4, 32] (Q4_K) or [step, 2, 2, 16] (Q6_K)
+        tiles = {"xf": [x_ref[x, :, c] for c in range(planes)]}
         tiles["d"] = get("d")
         if fmt == "Q4_K":
             tiles.update(quants=[get("qs")], sc=[get("sc", nib) for nib in range(2)],
@@ -168,10 +161,9 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
 
     def compute(t, acc):
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-        if in_kernel:
-            quantized = [quantize_groups(f32(xf.astype(jnp.bfloat16))) for xf in t["xf"]]
-            t = t | {"x": [pack_words(q) for q, _ in quantized], "xs": [scale for _, scale in quantized],
-                     "xq": [jnp.sum(q, axis=-1) for q, _ in quantized]}
+        quantized = [quantize_groups(f32(xf.astype(jnp.bfloat16))) for xf in t["xf"]]
+        t = t | {"x": [pack_words(q) for q, _ in quantized], "xs": [scale for _, scale in quantized],
+                 "xq": [jnp.sum(q, axis=-1) for q, _ in quantized]}
         sums = [jnp.sum(s, axis=-1) for s in dots(fmt, t["quants"], [v[None] for v in t["x"]], asm)]
         d = f32(t["d"])
         if fmt == "Q4_K":  # [rows, units, p]: xs (d sc dot - dmin mn qsum)
@@ -186,35 +178,37 @@ def _kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[
         return acc
 
     acc = jnp.zeros((block_n, step) + ((4,) if fmt == "Q4_K" else (2, 2)), jnp.float32)
-    acc = prefetch_loop(load, compute, steps, acc, prefetch)
+    acc = prefetch_loop(load, compute, steps, acc, PREFETCH)
     while acc.ndim > 1:
         acc = jnp.sum(acc, axis=-1)
     o_ref[split, 0, pl.ds(r0, block_n)] = acc
 
 
-def gemv_int8(x: jax.Array, pw: PackedWeight, *, in_kernel: bool, block_n: int, columns: int, splits: int | None,
-              num_warps: int, num_stages: int, asm: bool, prefetch: int, interpret: bool) -> jax.Array:
-    """x [1, K] @ W^T -> [1, N] float32 with x quantized to int8 per weight group, by XLA ops before the kernel
-    (`quantize_x`) or by each program for its own K steps (`in_kernel`: no launches besides the kernel's); qmatmul
-    calls it (the options are qmatmul's, resolved there)."""
+def gemv_int8(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, block_n: int | None = None,
+              columns: int | None = None, splits: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> jax.Array:
+    """x [1, K] @ W^T -> [1, N] float32 for a Q4_K/Q6_K PackedWeight, x quantized to int8 per weight group by each
+    program for its own K steps (no launches besides the kernel's); dp4a by inline PTX on a GPU, in jnp in interpret
+    mode. Tiles default to `TILES` and `STAGES`, K splits to qcommon.default_splits at a target of 2048 programs.
+    qmatmul calls it inside its jit."""
     n, k = pw.shape
     if pw.fmt not in FORMATS:
         raise ValueError(f"no int8-activation GEMV for {pw.fmt} (it takes {', '.join(FORMATS)})")
-    if in_kernel:
-        x_args = [x_blocks(pw.fmt, x[0])]
-    else:
-        xq = quantize_x(pw.fmt, x[0])
-        x_args = [xq["words"], xq["scale"], xq["qsum"]]
+    if x.shape != (1, k):
+        raise ValueError(f"the int8-activation GEMV takes one row of x of {k} columns, got {x.shape}")
+    bn, cols, warps = TILES
+    block_n, columns, num_warps = block_n or bn, columns or cols, num_warps or warps
+    xb = x_blocks(pw.fmt, x[0])
     step, steps, splits = k_steps(pw.fmt, n, k, block_n, columns, splits, target=2048)
     words = weight_words(pw)
     names = tuple(sorted(words))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_kernel, pw.fmt, n, step, steps, block_n, names, asm, prefetch, in_kernel),
+        functools.partial(_gemv_int8_kernel, pw.fmt, n, step, steps, block_n, names, not interpret),
         out_shape=jax.ShapeDtypeStruct((splits, 1, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages or STAGES),
         interpret=interpret,
         name=f"gemv_int8_{pw.fmt.lower()}",
-    )(*x_args, *(words[name] for name in names))
+    )(xb, *(words[name] for name in names))
     return sum_splits(out, 1, n)

@@ -1,6 +1,6 @@
 """Q4_K weights times 2-64 tokens on Hopper, in Mosaic GPU (Pallas:MGPU): TMA pipelines and wgmma.
 
-The Triton tensor-core kernel (qmatmul.py) multiplies tokens by weight rows with mma.sync, its operands built in
+The Triton tensor-core kernel (qmatmul_triton.py) multiplies tokens by weight rows with mma.sync, its operands built in
 registers; this kernel puts the weight rows on wgmma's M side (64 per warpgroup, one warpgroup per program) and the
 tokens on its N side (any multiple of 8), with x^T read by the tensor cores straight from shared memory. Per program
 and pipeline step (one super-block, 256 columns), TMA brings in the [64, 256] int4 quants, x's [T, 256] columns and
@@ -9,23 +9,23 @@ PTX, `_f16_tile_wgmma`: q scale - min with the sub-block's scale and min as row 
 K = 32 on it. K is split over `splits` programs whose partial products XLA adds. Two other schedules were tried and
 dropped: a few programs an SM streaming equal runs of all the tiles' super-blocks, 0.88-1.04x this one's speed
 (scripts/results/qmatmul_mgpu_stream_h200.txt), and a memory warpgroup issuing the copies for two compute warpgroups
-of 64 rows each, 0.71-0.95x on an H100 (qmatmul_mgpu_q6k_h100.txt). On an H200, 1.4-2.4x faster than the
-Triton kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy (scripts/results/qmatmul_mgpu_wgmma_h200.txt); since the
-scales travel in words, another 1.05-1.12x on an H100 (scripts/results/qmatmul_mgpu_scale_words_h100.txt).
+of 64 rows each, 0.71-0.95x on an H100 (qmatmul_mgpu_q6k_h100.txt). On an H200, 1.4-2.4x faster than the Triton
+kernel on the 27B's Q4_K shapes at 8-32 tokens, at the same accuracy (scripts/results/qmatmul_mgpu_wgmma_h200.txt);
+since the scales travel in words, another 1.05-1.12x on an H100 (scripts/results/qmatmul_mgpu_scale_words_h100.txt).
 
 Layout (`MgpuQ4K`, repacked once from the GGUF's Q4_K by `pack`): the quants as q - 8 in int4 [N, K], each 32-column
-group in the order of wgmma's registers (`ORDER` "wgmma", `WGMMA_PERM`: 1.09-1.17x faster than column order, which
-`order="natural"` keeps; scripts/results/qmatmul_mgpu_wgmma_h200.txt); per super-block the 8 sub-block scales and 8
-mins (6-bit, one byte each) and d, dmin (float16) as `scales` [K / 256 x 5, N] uint32, a row's (scale, min) of two
-sub-blocks a word and (d, dmin) the fifth, transposed so that a step's scales are 5 row vectors one TMA copy brings
-(its innermost run is the program's rows) and a thread reads a row's two sub-blocks in one load. 4.625 bits a
-weight, 2.8 % over the GGUF's 4.5.
+group in the order of wgmma's registers (`WGMMA_PERM`: 1.09-1.17x faster than column order;
+scripts/results/qmatmul_mgpu_wgmma_h200.txt); per super-block the 8 sub-block scales and 8 mins (6-bit, one byte
+each) and d, dmin (float16) as `scales` [K / 256 x 5, N] uint32, a row's (scale, min) of two sub-blocks a word and
+(d, dmin) the fifth, transposed so that a step's scales are 5 row vectors one TMA copy brings (its innermost run is
+the program's rows) and a thread reads a row's two sub-blocks in one load. 4.625 bits a weight, 2.8 % over the
+GGUF's 4.5.
 
-Arithmetic: as qmatmul's f16x2 tiles, float16 weights and x, exact up to float16's rounding of the weights: x enters
-scaled by 2**-F16_SHIFT and the scales and mins by 2**F16_SHIFT (`pack` checks that they fit, `f16_fits`). Each
-sub-block's scale d sc and negated min -dmin m is one f16x2 product of the codes and the scaled (d, -dmin), rounded
-once to float16 (`_scale_pairs`), each weight by one fma. `nibbles="subnormal"` (`NIBBLES`) makes the weights with
-no sub, as float16 subnormals times the scale times 2**24, under a gain per matrix that the output takes back off.
+Arithmetic: as the tensor-core kernel's f16x2 tiles (tile_ptx.py), float16 weights and x, exact up to float16's
+rounding of the weights: x enters scaled by 2**-F16_SHIFT and the scales and mins by 2**F16_SHIFT (`pack` checks that
+they fit, `f16_fits`). Each sub-block's scale d sc and negated min -dmin m is one f16x2 product of the codes and the
+scaled (d, -dmin), rounded once to float16 (`_scale_pairs`), each weight by one fma. The K splits' partial products
+go to their own slices of the output, which XLA adds (deterministic).
 
 GPU only (Hopper): GPU interpret mode (jax 0.10.2) cannot run wgmma with its A operand in registers, so the CPU
 tests check the layout and the reference and that the kernel lowers for CUDA; its numerics are checked on a GPU
@@ -41,42 +41,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import utils as mu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
 
-from dflash_jax.quant import QK_K, QTensor, k_scale_min
-from pallas_kernels.qmatmul import F16_SHIFT, f16_holds, sum_splits, x_operand
+from pallas_kernels.ggml import QK_K, k_scale_min
+from pallas_kernels.qcommon import F16_SHIFT, f16_holds, sum_splits, x_operand
 
-ROWS = 64  # wgmma's M: a warpgroup's instruction takes 64 weight rows; a program takes `rows`, a multiple
-# `rows` a program may take, ROWS by default: 128 and 256, which read x half or a quarter as often, were no faster on
-# the 27B's ffn matrices (scripts/results/qmatmul_mgpu_rows_h200.txt)
-ROWS_PER_PROGRAM = (64, 128, 256)
+ROWS = 64  # wgmma's M: a warpgroup's instruction takes 64 weight rows, and a program (one warpgroup) 64 rows
 GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
 SUB_BLOCKS = QK_K // GROUP
 SCALE_WORDS = SUB_BLOCKS // 2 + 1  # 32-bit words per row and super-block of `MgpuQ4K.scales`
 M_MAX = 64  # tokens: x's [M, 256] tile per pipeline stage beside the weights'
-# columns of the weight one wgmma call multiplies (its fence, commit and wait), a sub-block or several. 64 and 128
-# were 0.96-1.08x as fast as 32 on an H100 (most near 1.01 at 23 tokens: scripts/results/qmatmul_mgpu_cols_h100.txt)
-# and 64 no faster a DDTree step (bench_27b_h100_cols_*.txt); 256 (a whole super-block, 64 registers of A) gave NaN
-# there and is not offered
-WGMMA_COLS = (32, 64, 128)
-COLS = 32
-# How the K splits' partial products become one: "xla" writes each to its own [N, tokens] slice and XLA adds them
-# (deterministic); "tma_add" adds each into one zeroed buffer by TMA reduce-stores, in the order they finish, so the
-# float32 sum's rounding can change from run to run. "tma_add" took 1.04-1.10x less GPU time a product at 23 tokens
-# on an H100 (scripts/results/qmatmul_mgpu_split_sum_h100.txt) but a slower DDTree step (bench_27b_h100_split_sum_*).
-SPLIT_SUMS = ("xla", "tma_add")
-SPLIT_SUM = "xla"
 STAGES = 3  # pipeline steps in flight: 1.08x faster than 4 at 24 tokens on an H200 (mgpu_probe_q4k_fields_h200)
-ORDERS = ("wgmma", "natural")  # how `pack` orders the quants of each 32-column group (`MgpuQ4K.order`)
-ORDER = "wgmma"
-# how the kernel makes a float16 weight of a nibble (`MgpuQ4K.nibbles`): "magic", under float16's exponent of 1024 (or
-# 64), which a sub takes off before the fma; "subnormal", as a float16 subnormal q 2**-24 (or q 2**-20) that the fma
-# multiplies by the scale times 2**24 (2**20), no sub: the weights then carry a gain per weight matrix (`pack`)
-# instead of 2**F16_SHIFT, and the output is scaled back. "subnormal" is right on an H100 (the tensor cores keep the
-# subnormals) and 1.007-1.029x faster there (scripts/results/qmatmul_mgpu_q6k_h100.txt); not the default until the
-# engine shows it
-NIBBLES = ("magic", "subnormal")
-NIBBLE = "magic"
 # (mask, xor, magic) of the lop3 that makes float16 magic + q from the "wgmma" order's nibbles at bits 0-3 (magic
 # 1024) or 4-7 (magic 64, whose unit is 1/16 there) of each half-word, the xor flipping the int4's sign bit
 NIBBLE_FIELDS = ((0x000F000F, 0x6408, 0x6400), (0x00F000F0, 0x5480, 0x5400))
@@ -84,7 +63,7 @@ NIBBLE_FIELDS = ((0x000F000F, 0x6408, 0x6400), (0x00F000F0, 0x5480, 0x5400))
 # Mosaic GPU's WGMMA_UPCAST_4X layout, lane l of a row's four gets positions 8 (l % 4) + p, p = 0..7 in one 32-bit
 # word, and its wgmma A registers (WGMMA layout, float16 pairs) want columns 8 t + 2 (l % 4) + {0, 1}, t = 0..3; so
 # nibble p holds column 8 (p % 4) + 2 (l % 4) + p // 4, and register t's pair is nibbles t and t + 4, one in each
-# half of the word: no lane shuffle and no byte permute (`_f16_tile_wgmma`).
+# half of the word: no lane shuffle and no byte permute (`_f16_tile_wgmma`). A wgmma call multiplies one sub-block.
 WGMMA_PERM = np.array([8 * (p % 4) + 2 * c + p // 4 for c in range(4) for p in range(8)])
 
 
@@ -98,40 +77,28 @@ class MgpuQ4K:
     # 2w, of 2w + 1, min of 2w, of 2w + 1; word 4 d then dmin (float16, low half first)
     scales: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
-    order: str = dataclasses.field(default="natural", metadata=dict(static=True))  # one of ORDERS
-    nibbles: str = dataclasses.field(default="magic", metadata=dict(static=True))  # one of NIBBLES
-    # log2 of the weights' gain in float16: F16_SHIFT for "magic", `subnormal_gain` for "subnormal"
-    gain: int = dataclasses.field(default=F16_SHIFT, metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:
         return self.q.size // 2 + self.scales.size * 4
 
 
-def pack(qt: QTensor, order: str | None = None, nibbles: str | None = None) -> MgpuQ4K:
-    """A Q4_K QTensor in this kernel's layout (once, at load), its quants in `order` (default `ORDER`), made into
-    weights as `nibbles` says (default `NIBBLE`; "subnormal" takes the "wgmma" order); refuses other formats, rows
-    not a multiple of 64 and weights whose float16 form would overflow (`f16_fits`)."""
-    order, nibbles = order or ORDER, nibbles or NIBBLE
-    if order not in ORDERS:
-        raise ValueError(f"order is one of {ORDERS}, got {order!r}")
-    if nibbles not in NIBBLES:
-        raise ValueError(f"nibbles is one of {NIBBLES}, got {nibbles!r}")
-    if nibbles == "subnormal" and order != "wgmma":
-        raise ValueError("subnormal nibbles are written for the \"wgmma\" order only")
-    if qt.fmt != "Q4_K":
-        raise NotImplementedError(f"qmatmul_mgpu takes Q4_K weights, not {qt.fmt} (qmatmul_mgpu_q6k takes Q6_K; no "
+def pack(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array]) -> MgpuQ4K:
+    """A Q4_K weight [N, K] (its GGUF block fields `data`, as dflash_jax's QTensor holds them) in this kernel's layout,
+    once, at load; refuses other formats, rows not a multiple of 64 and weights whose float16 form would overflow
+    (`f16_fits`)."""
+    if fmt != "Q4_K":
+        raise NotImplementedError(f"qmatmul_mgpu takes Q4_K weights, not {fmt} (qmatmul_mgpu_q6k takes Q6_K; no "
                                   "Mosaic GPU kernel is written for Q5_K): qmatmul.pack and the Triton kernels take "
                                   "the others")
-    n, k = qt.shape
+    n, k = shape
     if n % ROWS:
         raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {n}")
-    f = {name: jnp.asarray(a) for name, a in qt.data.items()}
+    f = {name: jnp.asarray(a) for name, a in data.items()}
     nb = k // QK_K
     qs = f["qs"].reshape(n, nb, 4, 1, 32)  # byte 32p + l: sub-block 2p (low nibble), 2p + 1 (high), column l
     q = jnp.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(n, k)
-    if order == "wgmma":
-        q = q.reshape(n, k // GROUP, GROUP)[..., WGMMA_PERM].reshape(n, k)
+    q = q.reshape(n, k // GROUP, GROUP)[..., WGMMA_PERM].reshape(n, k)
     sc, mn = k_scale_min(f["scales"].reshape(n, nb, 12))  # [n, nb, 8] each
     # a word's bytes: the scales of sub-blocks 2w, 2w + 1, then their mins (`_scale_pairs` masks out one of each)
     codes = jnp.stack([sc.reshape(n, nb, -1, 2), mn.reshape(n, nb, -1, 2)], axis=-2).astype(jnp.uint8)
@@ -140,39 +107,10 @@ def pack(qt: QTensor, order: str | None = None, nibbles: str | None = None) -> M
     words = jnp.concatenate([jax.lax.bitcast_convert_type(codes, jnp.uint32),
                              jax.lax.bitcast_convert_type(dd, jnp.uint32)[..., None]], axis=-1)
     w = MgpuQ4K(q=(q.astype(jnp.int8) - 8).astype(jnp.int4), scales=words.reshape(n, nb * SCALE_WORDS).T,
-                shape=(n, k), order=order)
-    if nibbles == "subnormal":
-        w = dataclasses.replace(w, nibbles=nibbles, gain=subnormal_gain(w))
+                shape=(n, k))
     if not f16_fits(w):
-        raise ValueError(f"this Q4_K weight does not fit float16 at 2**{w.gain} (f16_fits): take qmatmul")
+        raise ValueError(f"this Q4_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
     return w
-
-
-def _largest_factor(w: MgpuQ4K) -> float:
-    """The largest |d|, |dmin|, |d sc| and |dmin m| of the weight: what the "subnormal" form scales by G 2**24."""
-    codes, dd = _fields(w)
-    return float(jnp.maximum(jnp.abs(dd).max(), (jnp.abs(dd)[..., None, :] * codes).max()))
-
-
-def subnormal_gain(w: MgpuQ4K) -> int:
-    """log2 of the "subnormal" form's weight gain G: the largest with every scale, d and dmin times G 2**24 under
-    2**15 in float16 (the fma's factor for nibbles at q 2**-24), between 2**-24 and 2**6."""
-    return int(np.clip(np.floor(np.log2(2.0 ** 15 / max(_largest_factor(w), 2.0 ** -30))) - 24, -24, 6))
-
-
-def subnormal_gains(gain: int) -> tuple[int, ...]:
-    """The f16x2 constants whose products take (d, dmin) to (d, -dmin) G 2**24 (`_scaled_dd`): (2**a, -2**a), then
-    (2**b, 2**b) where a + b = log2 G + 24 passes float16's 2**15 (a power of two each, so exact; the first product
-    never exceeds the last)."""
-    a = min(gain + 24, 15)
-    pairs = (f16_pair(2.0 ** a, -(2.0 ** a)),)
-    return pairs + ((f16_pair(2.0 ** (gain + 24 - a), 2.0 ** (gain + 24 - a)),) if gain + 24 > a else ())
-
-
-def available() -> bool:
-    """Whether the default device can run this kernel: a CUDA GPU of compute capability 9.x (Hopper's wgmma)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def _fields(w: MgpuQ4K) -> tuple[jax.Array, jax.Array]:
@@ -194,16 +132,12 @@ def _scales(w: MgpuQ4K) -> tuple[jax.Array, jax.Array]:
 
 def _quants(w: MgpuQ4K) -> jax.Array:
     """The stored quants q - 8 [N, K / 32, 32] in column order, as int32."""
-    q = w.q.astype(jnp.int32).reshape(w.shape[0], -1, GROUP)
-    return q[..., np.argsort(WGMMA_PERM)] if w.order == "wgmma" else q
+    return w.q.astype(jnp.int32).reshape(w.shape[0], -1, GROUP)[..., np.argsort(WGMMA_PERM)]
 
 
 def f16_fits(w: MgpuQ4K) -> bool:
     """Whether every weight, scale and negated min times 2**F16_SHIFT stays under 2**15 in float16 (`f16_holds`:
-    15 |scale| + |neg_min| bounds them), and so do d and dmin, which the kernel scales in float16 too; for the
-    "subnormal" form, whether the scales, mins, d and dmin times its gain 2**24 do."""
-    if w.nibbles == "subnormal":
-        return _largest_factor(w) * 2.0 ** (w.gain + 24) < 2 ** 15
+    15 |scale| + |neg_min| bounds them), and so do d and dmin, which the kernel scales in float16 too."""
     _, dd = _fields(w)
     return f16_holds(15, _scales(w)) and bool(jnp.abs(dd).max() * 2.0 ** F16_SHIFT < 2 ** 15)
 
@@ -220,53 +154,34 @@ def _f16(a: jax.Array) -> jax.Array:
     return a.astype(jnp.float16).astype(jnp.float32)
 
 
-def subnormal_terms(w: MgpuQ4K) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The "subnormal" form's float16 factors, float32 [N, K / 32] each: (S, S16, NM), a weight being q 2**-24 S +
-    NM (nibble at bits 0-3 of its half-word) or q 2**-20 S16 + NM (bits 4-7): S = sc (d G 2**24), NM'' = m (-dmin
-    G 2**24), each rounded once, then S16 = S / 16 and NM = NM'' 2**-24 rounded (`_f16_tile_wgmma`'s subnormal form)."""
-    codes, dd = _fields(w)
-    scaled = dd * 2.0 ** (w.gain + 24)  # exact: a power of two (f16_fits)
-    s, nm2 = _f16(codes[..., 0] * scaled[..., None, 0]), _f16(codes[..., 1] * -scaled[..., None, 1])
-    n = w.shape[0]
-    return s.reshape(n, -1), _f16(s / 16).reshape(n, -1), _f16(nm2 * 2.0 ** -24).reshape(n, -1)
-
-
 def f16_weights(w: MgpuQ4K) -> jax.Array:
-    """The float16 weights [N, K] the kernel multiplies, times 2**`w.gain`. "magic": q scale + neg_min, the scale
-    and negated min times 2**F16_SHIFT rounded once to float16 (as the kernel's f16x2 products of the codes and the
-    scaled d, dmin make them) and each weight once (one fma). "subnormal": `subnormal_terms`, each weight rounded
-    once (one fma; float32 sums first, which may round before float16 does where a scale is 2**10 under the
-    largest)."""
+    """The float16 weights [N, K] the kernel multiplies, times 2**F16_SHIFT: q scale + neg_min, the scale and
+    negated min times 2**F16_SHIFT rounded once to float16 (as the kernel's f16x2 products of the codes and the
+    scaled d, dmin make them) and each weight once (one fma)."""
     q = _quants(w).astype(jnp.float32) + 8
-    if w.nibbles == "subnormal":
-        s, s16, nm = subnormal_terms(w)
-        high = np.arange(GROUP) // 8 % 2 == 1  # columns 8-15 and 24-31 of a group: nibbles at bits 4-7
-        factor = jnp.where(high, s16[..., None] * 2.0 ** -20, s[..., None] * 2.0 ** -24)
-        return (q * factor + nm[..., None]).reshape(w.shape).astype(jnp.float16)
     scale, neg_min = (_f16(a * 2.0 ** F16_SHIFT) for a in _scales(w))
     return (q * scale[..., None] + neg_min[..., None]).reshape(w.shape).astype(jnp.float16)
 
 
-def f16_product(x: jax.Array, weights: jax.Array, gain: int) -> jax.Array:
-    """x [M, K] rounded as the kernels take it times float16 weights [N, K] that carry a gain of 2**gain: [M, N]
-    float32 (the Mosaic kernels' references)."""
-    out = jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), weights.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    return out * 2.0 ** (F16_SHIFT - gain)
+def f16_product(x: jax.Array, weights: jax.Array) -> jax.Array:
+    """x [M, K] rounded as the kernels take it (float16 times 2**-F16_SHIFT) times float16 weights [N, K] that carry
+    a gain of 2**F16_SHIFT: [M, N] float32 (the Mosaic kernels' references)."""
+    return jnp.einsum("mk,nk->mn", x_operand(x, "f16x2").astype(jnp.float32), weights.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def reference(x: jax.Array, w: MgpuQ4K) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them."""
-    return f16_product(x, f16_weights(w), w.gain)
+    return f16_product(x, f16_weights(w))
 
 
-def default_splits(n: int, k: int, target: int = 2048, rows: int = ROWS) -> int:
+def default_splits(n: int, k: int, target: int = 2048) -> int:
     """Programs along K: 4 where they divide the super-blocks and keep row tiles x splits within `target`, else 2
     or 1. Four were the fastest of 1, 2 and 4 on the 27B's ffn_gate, ffn_down and attn_qkv at 16-32 tokens
     (scripts/results/mgpu_probe_splits_h200.txt, mgpu_probe_shapes_h200.txt)."""
     nb = k // QK_K
     for s in (4, 2):
-        if nb % s == 0 and n // rows * s <= target:
+        if nb % s == 0 and n // ROWS * s <= target:
             return s
     return 1
 
@@ -279,28 +194,18 @@ def f16_pair(low: float, high: float) -> int:
 # f16x2 (2**F16_SHIFT, -2**F16_SHIFT): d and dmin of a super-block times it are the factors of its scales and
 # negated mins, in float16 (`_scaled_dd`)
 GAIN_PAIR = f16_pair(2.0 ** F16_SHIFT, -2.0 ** F16_SHIFT)
-SUBNORMAL_PAIR = f16_pair(1 / 16, 2.0 ** -24)  # (S, NM'') times it: (S16, NM) (`_f16_tile_wgmma`, subnormal)
 
 
 def _scalar(reg):
     """A row vector's register (vector<1 x i32>, inside `inline_mgpu`) -> its i32."""
-    from jaxlib.mlir.dialects import vector
-
     return vector.extract(reg, [], [0])
 
 
-def _scaled_dd(words, *gains: int):
+def _scaled_dd(words, gain: int):
     """Each row's word (d, dmin) [rows] uint32 (a row vector) -> (d, -dmin) 2**F16_SHIFT as float16 pairs (exact:
-    `f16_fits` keeps them finite), one f16x2 multiply a register by each of `gains` (f16x2 constants, default
-    GAIN_PAIR) in turn."""
-    gains = gains or (GAIN_PAIR,)
-    muls = " ".join(f"mov.b32 k, {g:#010x}; mul.rn.f16x2 $0, {'$1' if i == 0 else '$0'}, k;"
-                    for i, g in enumerate(gains))
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import llvm
-
+    `f16_fits` keeps them finite), one f16x2 multiply a register by `gain` (an f16x2 constant: GAIN_PAIR; Q6_K's
+    (d, d) word takes qmatmul_mgpu_q6k.GAIN_D)."""
+    muls = f"mov.b32 k, {gain:#010x}; mul.rn.f16x2 $0, $1, k;"
     row = plgpu.Layout.WGMMA.reduce(1)
 
     @plgpu.inline_mgpu(arg_types=(row,), return_type=plgpu.ShapeDtypeStruct(words.shape, jnp.uint32, row))
@@ -321,9 +226,6 @@ def _scale_pairs(word, dd, part: int, bias: int = 0x6400):
     part 1) and xors float16's `bias` over each: 0x6400 sets the exponent of 1024 (1024 + code, exact); 0x6480 also
     flips the sign bit of an int8 code (1152 + code, qmatmul_mgpu_q6k's scales). A sub takes the bias off and one
     f16x2 multiply makes both products, each rounded once as the reference (`f16_weights`) rounds them."""
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import llvm
-
     return llvm.inline_asm(
         ir.IntegerType.get_signless(32), [word, dd],
         f"""{{
@@ -346,206 +248,103 @@ BROADCAST = """.reg .b16 sl, sh;
                 mov.b32 n2, {{sh, sh}};"""
 
 
-def _f16_tile(q, words, dd, part: int):
-    """q [64 r, 32] int4 as loaded (WGMMA_UPCAST_4X layout: 8 nibbles a 32-bit register) -> float16 [64 r, 32] in
-    WGMMA layout, (q ^ 8) scale + neg_min per row, the row's scale and min codes in `words` (bytes part, part + 2)
-    and its (d, -dmin) pair in `dd` (`_scale_pairs`).
+def _f16_tile_wgmma(q, word, dd, part: int):
+    """q [64 r, 32] int4 as loaded (WGMMA_UPCAST_4X: a lane's 8 quants of a row in one 32-bit word, in WGMMA_PERM's
+    order) -> float16 [64 r, 32] in WGMMA layout, (q ^ 8) scale + neg_min per row, the row's scale and min codes in
+    `word` (bytes part, part + 2) and its (d, -dmin) pair in `dd` (`_scale_pairs`), with no data between lanes.
 
-    Mosaic GPU's relayout to WGMMA (a lane shuffle and a prmt per register) leaves each register two nibbles of a
-    32-bit word. Then, by inline PTX, a prmt puts the two nibbles in the low bits of two halves; a lop3 masks them,
-    flips the stored sign bit (the int4 holds q - 8) and sets float16's exponent of 1024, which makes 1024 + q
-    exactly; a sub takes the 1024 off and one fma applies the row's scale and negated min, two weights an
-    instruction. The same part and byte order as Mosaic GPU's own int4-to-bf16 conversion (FragmentedArray.astype),
-    which this replaced."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm
-
+    The order puts each of the lane's four wgmma registers in two nibbles, t and t + 4 of the word. Per register, one
+    lop3 masks them where they lie (bits 0-3 of each half: float16's exponent of 1024 makes 1024 + q; bits 4-7: an
+    exponent of 64, whose unit there is 1/16, makes 64 + q) and flips the stored sign bit (the int4 holds q - 8); a
+    sub takes the 1024 or 64 off and one fma applies the row's scale and negated min. One shift right by 8 serves
+    registers 2 and 3."""
     wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+
+    def weights(t: int) -> str:  # the PTX that makes register t's pair from word $1 and the scale pair $2
+        mask, xor, magic = NIBBLE_FIELDS[t % 2]
+        return f"""{BROADCAST.format(2)}
+                    lop3.b32 u, $1, {mask:#010x}, {xor * 0x10001:#010x}, 0x6a;
+                    mov.b32 k, {magic * 0x10001:#010x};
+                    sub.f16x2 u, u, k;
+                    fma.rn.f16x2 $0, u, s2, n2;"""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, row, row),
                        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
     def convert(_, qf, wf, df):
         i32 = ir.IntegerType.get_signless(32)
-        qf = qf.to_layout(fa.WGMMA_LAYOUT)  # built here, so each register's slice of its word can be read back
-
-        # registers [row tile, column tile, .., .., row half, ..]: a thread holds rows r and r + 8 of its warp's 16
-        pairs = {(i, h): _scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]),
-                                      part)
-                 for i, h in np.ndindex(q.shape[0] // ROWS, 2)}
-        out = np.empty_like(qf.registers)
-        for idx, reg in np.ndenumerate(qf.registers):
-            piece = reg.owner.opview  # vector.extract_strided_slice of the 8-nibble word
-            offset = piece.offsets[0]
-            nibbles = (offset.value if hasattr(offset, "value") else int(offset)) // 2
-            word = mu.bitcast(piece.source, i32)
-            pair_f16 = llvm.inline_asm(
-                i32, [word, arith.shrui(word, mu.c(4, i32)), pairs[idx[0], idx[4]]],
-                f"""{{
-                .reg .b32 t, k;
-                {BROADCAST.format(3)}
-                prmt.b32 t, $1, $2, 0xF{nibbles + 4}F{nibbles};
-                lop3.b32 t, t, 0x000F000F, 0x64086408, 0x6a;
-                mov.b32 k, 0x64006400;
-                sub.f16x2 t, t, k;
-                fma.rn.f16x2 $0, t, s2, n2;
-                }}""",
-                "=r,r,r,r")
-            out[idx] = mu.bitcast(pair_f16, ir.VectorType.get((2,), ir.F16Type.get()))
-        return fa.FragmentedArray(_registers=out, _layout=qf.layout, _is_signed=None)
-
-    return convert(q, words, dd)
-
-
-def _f16_tile_wgmma(q, words, dd, part: int, subnormal: bool = False):
-    """q [64 r, 32 g] int4 in the "wgmma" order as loaded (WGMMA_UPCAST_4X: a lane's 8 quants of a row in one 32-bit
-    word) -> float16 [64 r, 32 g] in WGMMA layout, (q ^ 8) scale + neg_min per row (`words`, `dd`, `part` as
-    `_f16_tile` takes them for the first sub-block; with g > 1 `words` is a tuple, sub-block c taking word
-    (part + c) // 2, part (part + c) % 2), with no data between lanes.
-
-    The order (`WGMMA_PERM`) puts each of the lane's four wgmma registers in two nibbles, t and t + 4 of the word.
-    Per register, one lop3 masks them where they lie (bits 0-3 of each half: float16's exponent of 1024 makes 1024
-    + q; bits 4-7: an exponent of 64, whose unit there is 1/16, makes 64 + q) and flips the stored sign bit (the
-    int4 holds q - 8); a sub takes the 1024 or 64 off and one fma applies the row's scale and negated min. One shift
-    right by 8 serves registers 2 and 3.
-
-    `subnormal` (the "subnormal" form): the lop3 sets no exponent, leaving the float16 subnormals q 2**-24 (bits
-    0-3) or q 2**-20 (bits 4-7), and the fma multiplies them by S or S16 and adds NM (`subnormal_terms`): no sub.
-    `dd` then holds (d, -dmin) G 2**24, and one f16x2 multiply a row makes (S16, NM) from `_scale_pairs`' (S,
-    NM'')."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm
-
-    wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
-
-    def weights(t: int) -> str:  # the PTX that makes register t's pair from word $1 and the scale pairs $2 (, $3)
-        mask, xor, magic = NIBBLE_FIELDS[t % 2]
-        if not subnormal:
-            return f"""{BROADCAST.format(2)}
-                    lop3.b32 u, $1, {mask:#010x}, {xor * 0x10001:#010x}, 0x6a;
-                    mov.b32 k, {magic * 0x10001:#010x};
-                    sub.f16x2 u, u, k;
-                    fma.rn.f16x2 $0, u, s2, n2;"""
-        return f"""{BROADCAST.format(2)}
-                    mov.b32 {{ll, lh}}, $3;
-                    {"mov.b32 s2, {ll, ll};" if t % 2 else ""}
-                    mov.b32 n2, {{lh, lh}};
-                    lop3.b32 u, $1, {mask:#010x}, {(xor & 0xFF) * 0x10001:#010x}, 0x6a;
-                    fma.rn.f16x2 $0, u, s2, n2;"""
-
-    words = words if isinstance(words, tuple) else (words,)
-    groups = q.shape[1] // GROUP
-    if len(words) != (part + groups + 1) // 2:
-        raise ValueError(f"{groups} sub-blocks from part {part} take {(part + groups + 1) // 2} scale words")
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, *[row] * len(words), row),
-                       return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.float16, wgmma))
-    def convert(_, qf, *wfs):
-        *wfs, df = wfs
-        i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
 
-        out = np.empty(fa.WGMMA_LAYOUT.registers_shape(q.shape), dtype=object)  # [row tiles, 4 g col tiles, 1, 1, 2,..]
-        # row tile i, half h: a lane holds rows r and r + 8 of its warp's 16 in each tile of 64; sub-block c
-        for i, h, c in np.ndindex(q.shape[0] // ROWS, 2, groups):
-            wf = wfs[(part + c) // 2]
-            pairs = [_scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]),
-                                  (part + c) % 2)]
-            if subnormal:  # (S16, NM)
-                pairs.append(llvm.inline_asm(i32, pairs, f"{{ .reg .b32 k; mov.b32 k, {SUBNORMAL_PAIR:#010x}; "
-                                                         "mul.rn.f16x2 $0, $1, k; }", "=r,r"))
-            word = mu.bitcast(qf.registers[i, c, 0, 0, h, 0, 0, 0, 0], i32)
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape(q.shape), dtype=object)  # [row tiles, 4 col tiles, 1, 1, 2,..]
+        # row tile i, half h: a lane holds rows r and r + 8 of its warp's 16 in each tile of 64
+        for i, h in np.ndindex(q.shape[0] // ROWS, 2):
+            pair = _scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]), part)
+            word = mu.bitcast(qf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
             halves = (word, arith.shrui(word, mu.c(8, i32)))
             for t in range(4):
-                declare = ".reg .b32 u, k; .reg .b16 ll, lh;" if subnormal else ".reg .b32 u, k;"
-                reg = llvm.inline_asm(i32, [halves[t // 2], *pairs],
-                                      f"{{ {declare} {weights(t)} }}", "=r" + ",r" * (1 + len(pairs)))
-                out[i, 4 * c + t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
+                reg = llvm.inline_asm(i32, [halves[t // 2], pair], f"{{ .reg .b32 u, k; {weights(t)} }}", "=r,r,r")
+                out[i, t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return convert(q, *words, dd)
+    return convert(q, word, dd)
 
 
-def _multiply(form: tuple, cols: int, w_smem, x_smem, scales_smem, acc_ref) -> None:
-    """One pipeline step: the step's super-block of weights, converted and multiplied `cols` columns (one wgmma
-    call) at a time, times x^T into acc; `form` the weight's (order, nibbles, gain)."""
-    order, nibbles, gain = form
+def _multiply(w_smem, x_smem, scales_smem, acc_ref) -> None:
+    """One pipeline step: the step's super-block of weights, converted and multiplied a sub-block (one wgmma call)
+    at a time, times x^T into acc."""
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows, as wgmma's accumulator holds them
-    tile = (functools.partial(_f16_tile_wgmma, subnormal=True) if nibbles == "subnormal" else
-            _f16_tile_wgmma if order == "wgmma" else _f16_tile)
-    dd = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row), *subnormal_gains(gain)
-                    if nibbles == "subnormal" else (GAIN_PAIR,))
+    dd = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row), GAIN_PAIR)
     words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
     quants = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-    g = cols // GROUP  # sub-blocks a call
-    for j in range(0, SUB_BLOCKS, g):
-        part = slice(j * GROUP, (j + g) * GROUP)
-        word = words[j // 2] if g == 1 else tuple(words[j // 2:(j + g + 1) // 2])
-        plgpu.wgmma(acc_ref, tile(quants[:, part], word, dd, j % 2), x_smem.at[:, part].T)
+    for j in range(SUB_BLOCKS):
+        part = slice(j * GROUP, (j + 1) * GROUP)
+        plgpu.wgmma(acc_ref, _f16_tile_wgmma(quants[:, part], words[j // 2], dd, j % 2), x_smem.at[:, part].T)
         plgpu.wgmma_wait(1)
 
 
-def _specs(t: int, rows: int, at) -> list:
+def _specs(t: int, at) -> list:
     """The pipeline's inputs (quants, x, scales) at step i, whose (row tile, super-block) is `at(i)`."""
-    return [plgpu.BlockSpec((rows, QK_K), lambda i: at(i), delay_release=1,
+    return [plgpu.BlockSpec((ROWS, QK_K), lambda i: at(i), delay_release=1,
                             transforms=(plgpu.TilingTransform((8, QK_K)), plgpu.SwizzleTransform(128))),
             # 64-byte swizzle: x's 32-column slices (one sub-block) are whole swizzle tiles for wgmma's B
             plgpu.BlockSpec((t, QK_K), lambda i: (0, at(i)[1]), delay_release=1,
                             transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))),
-            plgpu.BlockSpec((SCALE_WORDS, rows), lambda i: at(i)[::-1], delay_release=1)]
+            plgpu.BlockSpec((SCALE_WORDS, ROWS), lambda i: at(i)[::-1], delay_release=1)]
 
 
-def _body(t: int, rows: int, steps: int, stages: int, multiply, extra_specs: tuple, split_sum: str, *refs):
-    """The "grid" schedule: a program per (row tile, K split), `steps` super-blocks each. `refs`: the quants, x and
-    scales in GMEM, any further inputs (`extra_specs`), the output (`split_sum`'s), its SMEM tile;
-    `multiply(*input_smem, acc_ref)` one step."""
+def _body(t: int, steps: int, stages: int, multiply, extra_specs: tuple, *refs):
+    """A program per (row tile, K split), `steps` super-blocks each. `refs`: the quants, x and scales in GMEM, any
+    further inputs (`extra_specs`), the output [splits, N, t], its SMEM tile; `multiply(*input_smem, acc_ref)` one
+    step."""
     *gmem, o_gmem, o_smem = refs
     ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
     at = lambda i: (ni, si * steps + i)  # noqa: E731
 
     def compute(acc_ref):
         plgpu.emit_pipeline(lambda _, *smem: multiply(*smem, acc_ref), grid=(steps,),
-                            in_specs=_specs(t, rows, at) + [spec(t, rows, at) for spec in extra_specs],
+                            in_specs=_specs(t, at) + [spec(t, at) for spec in extra_specs],
                             max_concurrent_steps=stages)(*gmem)
         return acc_ref[...]
 
-    o_smem[...] = pl.run_scoped(compute, plgpu.ACC((rows, t), jnp.float32))
+    o_smem[...] = pl.run_scoped(compute, plgpu.ACC((ROWS, t), jnp.float32))
     plgpu.commit_smem()
-    if split_sum == "tma_add":
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(ni * rows, rows)], reduction_op="add")
-    else:
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * rows, rows)])
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * ROWS, ROWS)])
     plgpu.wait_smem_to_gmem(0)
 
 
-def grid_product(inputs: tuple, multiply, *, m: int, t: int, n: int, rows: int, blocks: int, splits: int | None,
-                 stages: int, name: str, extra_specs: tuple = (), split_sum: str | None = None) -> jax.Array:
-    """The "grid" schedule's kernel (`_body`) on `inputs` (quants, x^T's operand of t >= m tokens, scales, then the
-    inputs of `extra_specs`, each (t, rows, at) -> its BlockSpec): the product [m, N] float32, a program per row
-    tile of `rows` and K split, `splits` (default `default_splits`) dividing the weight's `blocks` super-blocks, its
-    partial products added as `split_sum` (one of SPLIT_SUMS, default SPLIT_SUM) says."""
-    splits = splits or default_splits(n, blocks * QK_K, rows=rows)
+def grid_product(inputs: tuple, multiply, *, m: int, t: int, n: int, blocks: int, splits: int | None, stages: int,
+                 name: str, extra_specs: tuple = ()) -> jax.Array:
+    """The kernel (`_body`) on `inputs` (quants, x^T's operand of t >= m tokens, scales, then the inputs of
+    `extra_specs`, each (t, at) -> its BlockSpec): the product [m, N] float32, a program per 64 rows and K split,
+    `splits` (default `default_splits`) dividing the weight's `blocks` super-blocks, its partial products added by
+    XLA."""
+    splits = splits or default_splits(n, blocks * QK_K)
     if blocks % splits:
         raise ValueError(f"{blocks} super-blocks do not split {splits} ways")
-    split_sum = split_sum or SPLIT_SUM
-    if split_sum not in SPLIT_SUMS:
-        raise ValueError(f"split_sum is one of {SPLIT_SUMS}, got {split_sum!r}")
-    body = functools.partial(_body, t, rows, blocks // splits, stages, multiply, tuple(extra_specs), split_sum)
-    if split_sum == "xla":
-        out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
-                           grid=(n // rows, splits), grid_names=("n", "k"),
-                           scratch_types=[plgpu.SMEM((rows, t), jnp.float32)], kernel_name=name)(*inputs)
-        return sum_splits(out, n, m).T  # out is [splits, N, tokens]
-    # The kernel adds into a zeroed buffer passed as a mutable reference (plgpu.kernel's batching wrapper takes no
-    # reference operands, pl.kernel does).
-    total = jax.new_ref(jnp.zeros((n, t), jnp.float32))
-    mesh = plgpu.Mesh(grid=(n // rows, splits), grid_names=("n", "k"), kernel_name=name)
-    pl.kernel(lambda *refs: pl.run_scoped(functools.partial(body, *refs), plgpu.SMEM((rows, t), jnp.float32)),
-              out_type=(), mesh=mesh)(*inputs, total)
-    return total[...][:, :m].T
+    body = functools.partial(_body, t, blocks // splits, stages, multiply, tuple(extra_specs))
+    out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
+                       grid=(n // ROWS, splits), grid_names=("n", "k"),
+                       scratch_types=[plgpu.SMEM((ROWS, t), jnp.float32)], kernel_name=name)(*inputs)
+    return sum_splits(out, n, m).T  # out is [splits, N, tokens]
 
 
 def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
@@ -560,26 +359,11 @@ def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
     return t, jnp.zeros((t, k), jnp.float16).at[:m].set(x_operand(x, "f16x2"))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "rows", "cols", "split_sum"))
-def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES,
-            rows: int | None = None, cols: int | None = None, split_sum: str | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("splits", "stages"))
+def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
-    per row tile of `rows` weight rows (one of ROWS_PER_PROGRAM; default ROWS) and K split (`splits`, default
-    `default_splits`), `stages` pipeline steps in flight, `cols` columns a wgmma call (one of WGMMA_COLS, default
-    COLS; more than 32 in the "wgmma" order only), the splits' sums made as `split_sum` says (SPLIT_SUMS, default
-    SPLIT_SUM). The quants become float16 weights by `_f16_tile_wgmma` in the
-    "wgmma" order, by `_f16_tile` in the natural one."""
+    per 64 weight rows and K split (`splits`, default `default_splits`), `stages` pipeline steps in flight."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
-    form, unscale = (w.order, w.nibbles, w.gain), 2.0 ** (F16_SHIFT - w.gain)  # x enters times 2**-F16_SHIFT
-    rows = rows or ROWS
-    if rows not in ROWS_PER_PROGRAM or n % rows:
-        raise ValueError(f"rows per program is one of {ROWS_PER_PROGRAM} and divides the weight's {n}, got {rows}")
-    cols = cols or COLS
-    if cols not in WGMMA_COLS or (cols > GROUP and w.order != "wgmma"):
-        raise ValueError(f"columns a wgmma call is one of {WGMMA_COLS} (more than {GROUP} in the \"wgmma\" order "
-                         f"only), got {cols} for the {w.order!r} order")
-    out = grid_product((w.q, xt, w.scales), functools.partial(_multiply, form, cols), m=m, t=t, n=n, rows=rows,
-                       blocks=k // QK_K, splits=splits, stages=stages, name="qmatmul_mgpu_q4_k",
-                       split_sum=split_sum)
-    return out * unscale
+    return grid_product((w.q, xt, w.scales), _multiply, m=m, t=t, n=n, blocks=k // QK_K, splits=splits,
+                        stages=stages, name="qmatmul_mgpu_q4_k")

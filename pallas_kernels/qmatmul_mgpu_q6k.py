@@ -18,7 +18,7 @@ qmatmul_mgpu's `_scale_pairs`): each weight rounded once to float16, as `f16_wei
 GPU only (Hopper), as qmatmul_mgpu: the CPU tests check the layout, the bit operations (emulated in numpy) and
 the reference, and that the kernel lowers for CUDA; on an H100 it matches its reference at the 27B's Q6_K shapes
 and is 1.7-2.3x faster than the Triton kernel (scripts/results/qmatmul_mgpu_q6k_h100.txt). `qmatmul.pack` gives Q6_K
-weights this layout where `qmatmul.MGPU_FORMATS` names Q6_K (by default).
+weights this layout with mgpu="beside" or "only".
 """
 
 from __future__ import annotations
@@ -29,12 +29,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import utils as mu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm
 
-from dflash_jax.quant import QK_K, QTensor, q6_k_quants
-from pallas_kernels import qmatmul_mgpu
-from pallas_kernels.qmatmul import F16_SHIFT, f16_holds
-from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_COLS, WGMMA_PERM, _scalar,
+from pallas_kernels.ggml import QK_K, q6_k_quants
+from pallas_kernels.qcommon import F16_SHIFT, f16_holds
+from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_PERM, _scalar,
                                          _scale_pairs, _scaled_dd, f16_product, grid_product, x_tokens)
 
 SUB = 16  # columns of a Q6_K sub-block (one int8 scale): half a 32-column group, one wgmma of K = 16
@@ -70,11 +73,6 @@ class MgpuQ6K:
     def nbytes(self) -> int:
         return self.lo.size // 2 + self.hi.size // 2 + self.scales.size * 4
 
-    @property
-    def gain(self) -> int:
-        """log2 of the gain `f16_weights` carries (as qmatmul_mgpu.MgpuQ4K.gain)."""
-        return F16_SHIFT
-
 
 def _as_int4(nibbles: jax.Array) -> jax.Array:
     """Bit patterns 0..15 as the int4 values that hold them (two's complement)."""
@@ -107,15 +105,16 @@ def _hi_bits(w: MgpuQ6K) -> jax.Array:
     return bits.reshape(n, k)
 
 
-def pack(qt: QTensor) -> MgpuQ6K:
-    """A Q6_K QTensor in this kernel's layout (once, at load); refuses other formats, rows not a multiple of 64 and
-    weights whose float16 form would overflow (`f16_fits`)."""
-    if qt.fmt != "Q6_K":
-        raise NotImplementedError(f"qmatmul_mgpu_q6k takes Q6_K weights, not {qt.fmt} (qmatmul_mgpu takes Q4_K)")
-    n, k = qt.shape
+def pack(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array]) -> MgpuQ6K:
+    """A Q6_K weight [N, K] (its GGUF block fields `data`, as dflash_jax's QTensor holds them) in this kernel's layout,
+    once, at load; refuses other formats, rows not a multiple of 64 and weights whose float16 form would overflow
+    (`f16_fits`)."""
+    if fmt != "Q6_K":
+        raise NotImplementedError(f"qmatmul_mgpu_q6k takes Q6_K weights, not {fmt} (qmatmul_mgpu takes Q4_K)")
+    n, k = shape
     if n % ROWS:
         raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {n}")
-    f = {name: jnp.asarray(a) for name, a in qt.data.items()}
+    f = {name: jnp.asarray(a) for name, a in data.items()}
     nb = k // QK_K
     q = q6_k_quants(f["ql"].reshape(n, nb, 128), f["qh"].reshape(n, nb, 64)).reshape(n, k)
     lo = (q & 0xF).reshape(n, k // GROUP, GROUP)[..., WGMMA_PERM].reshape(n, k)
@@ -175,40 +174,31 @@ def f16_weights(w: MgpuQ6K) -> jax.Array:
 
 def reference(x: jax.Array, w: MgpuQ6K) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32, with x and the weights rounded as the kernel takes them."""
-    return f16_product(x, f16_weights(w), w.gain)
+    return f16_product(x, f16_weights(w))
 
 
-def _f16_tile_q6k(lo, hi, words, d, group: int):
-    """g 32-column groups from group `group` (0, 1) of a 64-column chunk on: their low nibbles lo [64 r, 32 g] int4
-    as loaded (WGMMA_UPCAST_4X), their chunks' high bits hi [64 r, 32 c] int4 as loaded, the rows' scale words of
-    those c chunks (a tuple) and (d, d) pair -> float16 [64 r, 32 g] in WGMMA layout, (q - 32) scale per row and
-    sub-block (module docstring); group c of them is group (group + c) % 2 of chunk (group + c) // 2."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm
-
+def _f16_tile_q6k(lo, hi, word, d, group: int):
+    """A 32-column group, group `group` (0, 1) of a 64-column chunk: its low nibbles lo [64 r, 32] int4 as loaded
+    (WGMMA_UPCAST_4X), its chunk's high bits hi [64 r, 32] int4 as loaded, the rows' scale word of the chunk and
+    (d, d) pair -> float16 [64 r, 32] in WGMMA layout, (q - 32) scale per row and sub-block (module docstring)."""
     wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA_UPCAST_4X, *[row] * len(words),
-                                  row),
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA_UPCAST_4X, row, row),
                        return_type=plgpu.ShapeDtypeStruct(lo.shape, jnp.float16, wgmma))
-    def convert(_, lf, hf, *wfs):
-        *wfs, df = wfs
+    def convert(_, lf, hf, wf, df):
         i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
 
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(lo.shape), dtype=object)
-        # row tile i, half h, 32-column tile c of lo: its group of its chunk (the chunk's word and hi tile)
-        for i, h, c in np.ndindex(lo.shape[0] // ROWS, 2, lo.shape[1] // GROUP):
-            part, chunk = (group + c) % 2, (group + c) // 2
-            pair = _scale_pairs(_scalar(wfs[chunk].registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]),
-                                part, bias=SCALE_BIAS)
-            word = mu.bitcast(lf.registers[i, c, 0, 0, h, 0, 0, 0, 0], i32)
+        # row tile i, half h: a lane holds rows r and r + 8 of its warp's 16 in each tile of 64
+        for i, h in np.ndindex(lo.shape[0] // ROWS, 2):
+            pair = _scale_pairs(_scalar(wf.registers[i, 0, h, 0, 0]), _scalar(df.registers[i, 0, h, 0, 0]),
+                                group, bias=SCALE_BIAS)
+            word = mu.bitcast(lf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
             halves = (word, arith.shrui(word, mu.c(8, i32)))
-            high = mu.bitcast(hf.registers[i, chunk, 0, 0, h, 0, 0, 0, 0], i32)
+            high = mu.bitcast(hf.registers[i, 0, 0, 0, h, 0, 0, 0, 0], i32)
             views = [arith.shli(high, mu.c(s, i32)) if s > 0 else arith.shrui(high, mu.c(-s, i32))
-                     for s in HI_VIEWS[2 * part: 2 * part + 2]]
+                     for s in HI_VIEWS[2 * group: 2 * group + 2]]
             for t in range(4):
                 mask, xor, _ = NIBBLE_FIELDS[t % 2]
                 reg = llvm.inline_asm(
@@ -225,48 +215,41 @@ def _f16_tile_q6k(lo, hi, words, d, group: int):
                     mul.rn.f16x2 $0, u, s2;
                     }}""",
                     "=r,r,r,r")
-                out[i, 4 * c + t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
+                out[i, t, 0, 0, h, 0, 0, 0, 0] = mu.bitcast(reg, f16x2)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return convert(lo, hi, *words, d)
+    return convert(lo, hi, word, d)
 
 
-def _multiply(cols: int, lo_smem, x_smem, scales_smem, hi_smem, acc_ref) -> None:
-    """One pipeline step: the step's super-block of weights, converted and multiplied `cols` columns (one wgmma
-    call) at a time, times x^T into acc."""
+def _multiply(lo_smem, x_smem, scales_smem, hi_smem, acc_ref) -> None:
+    """One pipeline step: the step's super-block of weights, converted and multiplied 32 columns (one wgmma call) at
+    a time, times x^T into acc."""
     row = plgpu.Layout.WGMMA.reduce(1)
     d = _scaled_dd(plgpu.load(scales_smem.at[SCALE_WORDS - 1], (), layout=row), GAIN_D)
     words = [plgpu.load(scales_smem.at[i], (), layout=row) for i in range(SCALE_WORDS - 1)]
     lo = plgpu.load(lo_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
     hi = plgpu.load(hi_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-    g = cols // GROUP  # groups a call
-    for j in range(0, QK_K // GROUP, g):
-        first, end = j // 2, (j + g + 1) // 2  # the chunks these groups lie in
-        part = slice(j * GROUP, (j + g) * GROUP)
-        a = _f16_tile_q6k(lo[:, part], hi[:, first * GROUP: end * GROUP], tuple(words[first:end]), d, j % 2)
+    for j in range(QK_K // GROUP):
+        chunk = j // 2  # the 64-column chunk this group lies in
+        part = slice(j * GROUP, (j + 1) * GROUP)
+        a = _f16_tile_q6k(lo[:, part], hi[:, chunk * GROUP: (chunk + 1) * GROUP], words[chunk], d, j % 2)
         plgpu.wgmma(acc_ref, a, x_smem.at[:, part].T)
         plgpu.wgmma_wait(1)
 
 
-def _hi_spec(t: int, rows: int, at) -> plgpu.BlockSpec:
-    """The high bits' [rows, 128] int4 tile of step i, beside qmatmul_mgpu's inputs (`grid_product`)."""
+def _hi_spec(t: int, at) -> plgpu.BlockSpec:
+    """The high bits' [64, 128] int4 tile of step i, beside qmatmul_mgpu's inputs (`grid_product`)."""
     del t
-    return plgpu.BlockSpec((rows, QK_K // 2), at, delay_release=1,
+    return plgpu.BlockSpec((ROWS, QK_K // 2), at, delay_release=1,
                            transforms=(plgpu.TilingTransform((8, QK_K // 2)), plgpu.SwizzleTransform(64)))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "cols", "split_sum"))
-def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int = STAGES,
-            cols: int | None = None, split_sum: str | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("splits", "stages"))
+def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int = STAGES) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
     per 64 weight rows and K split (`splits`, default qmatmul_mgpu.default_splits; `grid_product`), `stages` steps in
-    flight, `cols` columns a wgmma call (qmatmul_mgpu.WGMMA_COLS; default qmatmul_mgpu.COLS), the splits' sums
-    made as `split_sum` says (qmatmul_mgpu.SPLIT_SUMS)."""
+    flight."""
     (m, k), (n, _) = x.shape, w.shape
     t, xt = x_tokens(x, w.shape)
-    cols = cols or qmatmul_mgpu.COLS
-    if cols not in WGMMA_COLS:
-        raise ValueError(f"columns a wgmma call is one of {WGMMA_COLS}, got {cols}")
-    return grid_product((w.lo, xt, w.scales, w.hi), functools.partial(_multiply, cols), m=m, t=t, n=n, rows=ROWS,
-                        blocks=k // QK_K, splits=splits, stages=stages, name="qmatmul_mgpu_q6_k",
-                        extra_specs=(_hi_spec,), split_sum=split_sum)
+    return grid_product((w.lo, xt, w.scales, w.hi), _multiply, m=m, t=t, n=n, blocks=k // QK_K, splits=splits,
+                        stages=stages, name="qmatmul_mgpu_q6_k", extra_specs=(_hi_spec,))

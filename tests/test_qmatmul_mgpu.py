@@ -1,5 +1,6 @@
 """The Mosaic GPU Q4_K kernel (pallas_kernels/qmatmul_mgpu.py): its layout and reference on a CPU, that it lowers
-for CUDA with no GPU, and (-m gpu) the compiled kernel against its reference at the 27B's Q4_K shapes."""
+for CUDA with no GPU, how qmatmul routes to it, and (-m gpu) the compiled kernel against its reference at the 27B's
+Q4_K shapes."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,10 @@ import pytest
 
 from dflash_jax.quant import dequantize
 from dflash_jax.testing.synthetic import random_matrix
+from pallas_kernels import ggml, qmatmul_triton
 from pallas_kernels import qmatmul as qm
 from pallas_kernels import qmatmul_mgpu as mg
+from pallas_kernels.qcommon import F16_SHIFT
 
 
 def rel(a, b) -> float:
@@ -20,11 +23,13 @@ def q4k(n: int, k: int, seed: int = 0):
     return random_matrix(jax.random.key(seed), "Q4_K", (n, k))
 
 
-@pytest.mark.parametrize("order", mg.ORDERS)
-def test_layout_holds_the_gguf_values_exactly(order):
+def mgpu_pack(qt):
+    return mg.pack(qt.fmt, qt.shape, qt.data)
+
+
+def test_layout_holds_the_gguf_values_exactly():
     qt = q4k(128, 768)
-    w = mg.pack(qt, order)
-    assert w.order == order
+    w = mgpu_pack(qt)
     assert w.q.dtype == jnp.int4 and w.scales.dtype == jnp.uint32 and w.scales.shape == (3 * 5, 128)
     np.testing.assert_array_equal(np.asarray(mg.dequantize(w)), np.asarray(dequantize(qt)))
     assert w.nbytes == 128 * 768 // 256 * (128 + 16 + 4)  # 148 bytes a super-block: the GGUF's 144 + 2.8 %
@@ -40,8 +45,8 @@ def test_wgmma_order_gives_each_lane_its_wgmma_registers():
     one word (WGMMA_UPCAST_4X, nibble p = position 8c + p); its register t, made by the kernel's lop3 and sub from
     the word (shifted right by 8 for t = 2, 3), holds the quants of columns 8t + 2c and 8t + 2c + 1 (WGMMA layout)."""
     qt = q4k(64, 256, seed=7)
-    natural, stored = (np.asarray(mg.pack(qt, o).q.astype(jnp.int32)) for o in ("natural", "wgmma"))
-    q = natural + 8
+    q = np.asarray(ggml.nibbles(qt.data["qs"].reshape(64, 1, 4, 32))).reshape(64, 256)  # column 64p + 32nib + l
+    stored = np.asarray(mgpu_pack(qt).q.astype(jnp.int32))
     assert sorted(mg.WGMMA_PERM) == list(range(32))
     for c in range(4):
         word = sum((stored[:, 8 * c + p: 256: 32].astype(np.uint32) & 0xF) << (4 * p) for p in range(8))
@@ -53,139 +58,70 @@ def test_wgmma_order_gives_each_lane_its_wgmma_registers():
             np.testing.assert_array_equal(got[..., 1], q[:, 8 * t + 2 * c + 1: 256: 32])
 
 
-def test_subnormal_form_emulated_is_the_reference_weights():
-    """An emulation of `_f16_tile_wgmma(..., subnormal=True)` on the packed words, lane by lane, in exact float64
-    arithmetic (the lop3 that leaves a nibble pair as float16 subnormals, `_scaled_dd`'s products by
-    `subnormal_gains`, the scale pairs, the multiply by SUBNORMAL_PAIR, one fma rounded once) gives `f16_weights`'
-    every weight bit for bit."""
-    w = mg.pack(q4k(64, 512, seed=5), nibbles="subnormal")
-    halves = lambda word: f16_words(np.asarray(word, np.uint32)).astype(np.float64)  # noqa: E731
-    stored = np.asarray(w.q.astype(jnp.int32) & 0xF).astype(np.uint32)
-    words = np.asarray(w.scales).T.reshape(64, 2, mg.SCALE_WORDS)
-    want = np.asarray(mg.f16_weights(w)).astype(np.float64)
-    dd = halves(words[..., -1])
-    for gain in mg.subnormal_gains(w.gain):
-        dd = (dd * halves([gain])[0]).astype(np.float16).astype(np.float64)
-    for sb, j, c in np.ndindex(2, mg.SUB_BLOCKS, 4):
-        biased = ((words[:, sb, j // 2] >> np.uint32(8 * (j % 2))) & 0x00FF00FF) | 0x64006400
-        pair = ((halves(biased) - 1024) * dd[:, sb]).astype(np.float16).astype(np.float64)  # (S, NM'')
-        low = (pair * halves([mg.SUBNORMAL_PAIR])[0]).astype(np.float16).astype(np.float64)  # (S16, NM)
-        col0 = 256 * sb + 32 * j
-        lane = sum(stored[:, col0 + 8 * c + p] << np.uint32(4 * p) for p in range(8))
-        for t in range(4):
-            mask, xor, _ = mg.NIBBLE_FIELDS[t % 2]
-            u = ((lane >> np.uint32(8 * (t // 2))) & mask) ^ ((xor & 0xFF) * 0x10001)
-            got = (halves(u) * (low if t % 2 else pair)[:, :1] + low[:, 1:]).astype(np.float16).astype(np.float64)
-            np.testing.assert_array_equal(got, want[:, col0 + 8 * t + 2 * c: col0 + 8 * t + 2 * c + 2])
-
-
-def test_subnormal_form_is_as_close_as_the_magic_one():
-    """The "subnormal" weights (a gain per matrix, the smallest weights float16 subnormals) land as close to the
-    float32 product as the "magic" ones, and the layout's values are the GGUF's exactly."""
-    qt = q4k(256, 1024, seed=1)
-    w, magic = mg.pack(qt, nibbles="subnormal"), mg.pack(qt)
-    assert w.nibbles == "subnormal" and -24 <= w.gain <= 6 and magic.gain == qm.F16_SHIFT
-    np.testing.assert_array_equal(np.asarray(mg.dequantize(w)), np.asarray(dequantize(qt)))
-    x = jax.random.normal(jax.random.key(2), (23, 1024), jnp.float32)
-    exact = jnp.einsum("mk,nk->mn", x, dequantize(qt), precision=jax.lax.Precision.HIGHEST)
-    assert rel(mg.reference(x, w), exact) < 1.05 * rel(mg.reference(x, magic), exact) < 6e-4
-    text = jax.jit(mg.qmatmul).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
 def test_reference_is_the_float16_product():
-    """The kernel's arithmetic (float16 weights and x, float32 sums) lands as close to the float32 product as
-    qmatmul's f16x2 tiles, and 6x closer than bf16 tiles."""
+    """The kernel's arithmetic (float16 weights and x, float32 sums) lands 6x closer to the float32 product than bf16
+    weights and x, and its weights are the f16x2 tiles' of the Triton kernel bit for bit: the two kernels share
+    qmatmul's reference."""
     qt = q4k(256, 1024, seed=1)
-    w, pw = mg.pack(qt), qm.pack(qt)
+    w, pw = mgpu_pack(qt), qm.pack(qt.fmt, qt.shape, qt.data)
     x = jax.random.normal(jax.random.key(2), (23, 1024), jnp.float32)
     exact = jnp.einsum("mk,nk->mn", x, dequantize(qt), precision=jax.lax.Precision.HIGHEST)
+    bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     err = rel(mg.reference(x, w), exact)
     assert err < 6e-4
-    assert err < rel(qm.qmatmul_reference(x, pw, "f32"), exact) / 3
-    assert rel(mg.reference(x, w), qm.qmatmul_reference(x, pw, "f16x2")) < 6e-4
+    assert err < rel(jnp.einsum("mk,nk->mn", bf16(x), bf16(dequantize(qt)), precision="highest"), exact) / 3
+    np.testing.assert_array_equal(np.asarray(mg.f16_weights(w).astype(jnp.float32) / 2.0 ** F16_SHIFT),
+                                  np.asarray(qmatmul_triton.mma_weights(pw)))
+    assert rel(mg.reference(x, w), qm.qmatmul_reference(x, pw)) < 1e-6
 
 
 def test_refuses_what_it_cannot_take():
+    q6k = random_matrix(jax.random.key(0), "Q6_K", (64, 256))
     with pytest.raises(NotImplementedError, match="Q4_K"):
-        mg.pack(random_matrix(jax.random.key(0), "Q6_K", (64, 256)))
+        mgpu_pack(q6k)
     with pytest.raises(ValueError, match="multiple of 64 rows"):
-        mg.pack(q4k(48, 256))
+        mgpu_pack(q4k(48, 256))
     loud = random_matrix(jax.random.key(0), "Q4_K", (64, 256))
     loud = type(loud)({**loud.data, "d": jnp.full_like(loud.data["d"], 60.0)}, loud.fmt, loud.shape)
     with pytest.raises(ValueError, match="float16"):
-        mg.pack(loud)
-    w = mg.pack(q4k(64, 512))
+        mgpu_pack(loud)
+    w = mgpu_pack(q4k(64, 512))
     with pytest.raises(ValueError, match="1 to 64 rows"):
         mg.qmatmul(jnp.zeros((65, 512)), w)
     with pytest.raises(ValueError, match="columns"):
         mg.qmatmul(jnp.zeros((4, 256)), w)
     with pytest.raises(ValueError, match="split 4 ways"):
         mg.qmatmul(jnp.zeros((4, 512)), w, splits=4)
-    with pytest.raises(ValueError, match="rows per program"):
-        mg.qmatmul(jnp.zeros((4, 512)), w, rows=128)  # 64 rows
-    with pytest.raises(ValueError, match="order is one of"):
-        mg.pack(q4k(64, 256), "rows")
-    with pytest.raises(ValueError, match="nibbles is one of"):
-        mg.pack(q4k(64, 256), nibbles="bf16")
-    with pytest.raises(ValueError, match="wgmma"):
-        mg.pack(q4k(64, 256), "natural", nibbles="subnormal")
 
 
-@pytest.mark.parametrize("m,order", [(1, "wgmma"), (23, "wgmma"), (64, "wgmma"), (23, "natural")])
-def test_lowers_for_cuda_on_a_cpu(m, order):
+@pytest.mark.parametrize("m", [1, 23, 64])
+def test_lowers_for_cuda_on_a_cpu(m):
     """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes, the inline PTX's operands) run without a
-    GPU."""
-    w = mg.pack(q4k(128, 1024), order)
+    GPU; the K splits' partial products come out [splits, N, tokens] for XLA to add."""
+    w = mgpu_pack(q4k(128, 1024))
     x = jnp.zeros((m, 1024), jnp.float32)
     text = mg.qmatmul.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("cols,nibbles", [(64, "magic"), (64, "subnormal"), (128, "magic")])
-def test_lowers_for_cuda_with_several_sub_blocks_a_wgmma(cols, nibbles):
-    """A wgmma call over 2 or 4 sub-blocks (each converted with its own scale word and part) lowers for CUDA; the
-    natural order, a width that is no whole number of sub-blocks and a whole super-block (NaN on an H100) are
-    refused."""
-    w = mg.pack(q4k(128, 1024), nibbles=nibbles)
-    x = jnp.zeros((23, 1024), jnp.float32)
-    assert "mosaic_gpu" in mg.qmatmul.trace(x, w, cols=cols).lower(lowering_platforms=("cuda",)).as_text()
-    for bad, order in ((64, "natural"), (48, "wgmma"), (256, "wgmma")):
-        with pytest.raises(ValueError, match="wgmma call"):
-            mg.qmatmul(x, mg.pack(q4k(128, 1024), order), cols=bad)
-
-
-def test_split_sums_by_tma_lower_for_cuda_on_a_cpu():
-    """The K splits added by TMA reduce-stores into one zeroed buffer (split_sum="tma_add") lower for CUDA, with no
-    [splits, N, tokens] output; an unknown way is refused."""
-    w = mg.pack(q4k(128, 1024))
-    x = jnp.zeros((23, 1024), jnp.float32)
-    text = mg.qmatmul.trace(x, w, split_sum="tma_add").lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "tensor<4x128x24xf32>" not in text
-    assert "tensor<4x128x24xf32>" in mg.qmatmul.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ValueError, match="split_sum"):
-        mg.qmatmul(x, w, split_sum="atomic")
+    t = -(-m // 8) * 8
+    assert "mosaic_gpu" in text and f"tensor<4x128x{t}xf32>" in text
 
 
 def test_weights_are_rounded_once_to_float16():
     """The kernel's weights (q s - dmin m, the scale and min in float16) are the exact weights rounded once to
-    float16, within float16's rounding of their scale and min, in either order."""
-    qt = q4k(128, 512, seed=4)
-    w = mg.pack(qt, "natural")
-    exact = mg.dequantize(w) * 2.0 ** qm.F16_SHIFT
-    assert rel(mg.f16_weights(w).astype(jnp.float32), exact) < 5e-4
-    np.testing.assert_array_equal(np.asarray(mg.f16_weights(mg.pack(qt, "wgmma"))), np.asarray(mg.f16_weights(w)))
+    float16, within float16's rounding of their scale and min."""
+    w = mgpu_pack(q4k(128, 512, seed=4))
+    exact = mg.dequantize(w) * 2.0 ** F16_SHIFT
+    assert 0 < rel(mg.f16_weights(w).astype(jnp.float32), exact) < 5e-4
 
 
 def test_scale_pairs_emulated_are_the_reference_scales():
     """An emulation of `_scale_pairs` and `_scaled_dd` on the packed words (the lop3 that masks a sub-block's two
     codes and sets float16's exponent of 1024 above them, a sub, an f16x2 multiply by (d, -dmin) 2**F16_SHIFT)
     gives the float16 scale and negated min that `f16_weights` applies, bit for bit."""
-    w = mg.pack(q4k(64, 512, seed=9))
+    w = mgpu_pack(q4k(64, 512, seed=9))
     words = np.asarray(w.scales).T.reshape(64, 2, mg.SCALE_WORDS)
     gain = np.array([mg.GAIN_PAIR], np.uint32).view(np.float16).astype(np.float32)  # (2**F16_SHIFT, -2**F16_SHIFT)
     dd = (words[..., -1:].view(np.float16).astype(np.float32) * gain).astype(np.float16).astype(np.float32)
-    scale, neg_min = (np.asarray(jnp.asarray(a * 2.0 ** qm.F16_SHIFT, jnp.float16)) for a in mg._scales(w))
+    scale, neg_min = (np.asarray(jnp.asarray(a * 2.0 ** F16_SHIFT, jnp.float16)) for a in mg._scales(w))
     for j in range(mg.SUB_BLOCKS):
         word = words[..., j // 2]
         biased = ((word >> (8 * (j % 2))) & 0x00FF00FF) | 0x64006400  # the lop3: 1024 + scale code, 1024 + min code
@@ -203,60 +139,54 @@ def test_default_splits_divide_the_super_blocks():
     assert mg.default_splits(64 * 2048, 5120) == 1  # 2048 row tiles: enough programs already
 
 
-@pytest.fixture
-def mgpu_layout(monkeypatch):
-    monkeypatch.setattr(qm, "MGPU_LAYOUT", True)
+def test_pack_adds_the_layout_where_the_kernel_takes_the_weight():
+    """mgpu="beside": the Mosaic layout beside the Triton one where the kernel takes the weight, else silently the
+    Triton layout alone (rows not a multiple of 64; no Mosaic kernel for Q5_K)."""
+    pw = qm.pack("Q4_K", (128, 512), q4k(128, 512).data, mgpu="beside")
+    assert isinstance(pw.mgpu, mg.MgpuQ4K) and pw.data and not pw.mgpu_only
+    assert qm.pack("Q4_K", (48, 512), q4k(48, 512).data, mgpu="beside").mgpu is None
+    q5k = random_matrix(jax.random.key(0), "Q5_K", (128, 512))
+    assert qm.pack(q5k.fmt, q5k.shape, q5k.data, mgpu="only").mgpu is None
+    assert qm.pack("Q4_K", (128, 512), q4k(128, 512).data).mgpu is None
 
 
-def test_pack_adds_the_layout_where_the_kernel_takes_the_weight(mgpu_layout):
-    assert isinstance(qm.pack(q4k(128, 512)).mgpu, mg.MgpuQ4K)
-    assert qm.pack(q4k(48, 512)).mgpu is None  # rows not a multiple of 64: the Triton kernels only
-    assert qm.pack(random_matrix(jax.random.key(0), "Q5_K", (128, 512))).mgpu is None  # no Mosaic kernel for Q5_K
+def lowered(x, pw) -> str:
+    return jax.jit(qm.qmatmul).trace(x, pw).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_qmatmul_takes_the_mosaic_kernel_for_two_rows_or_more(mgpu_layout):
-    """Lowered for CUDA, a product of 2+ rows with the layout is the Mosaic GPU kernel and one row the GEMV (Triton);
-    in interpret mode (CPU) the Triton kernel runs and gives what it gives without the layout."""
-    pw = qm.pack(q4k(128, 1024))
-    lower = lambda x, **o: jax.jit(lambda x, pw: qm.qmatmul(x, pw, **o)).trace(x, pw).lower(  # noqa: E731
-        lowering_platforms=("cuda",)).as_text()
+def test_qmatmul_takes_the_mosaic_kernel_for_two_rows_or_more():
+    """Lowered for CUDA, a product of 2+ rows with the layout beside is the Mosaic GPU kernel and one row the int8
+    GEMV (Triton); in interpret mode (CPU) the Triton kernel runs and gives what it gives without the layout."""
+    qt = q4k(128, 1024)
+    pw, plain = (qm.pack(qt.fmt, qt.shape, qt.data, mgpu=mgpu) for mgpu in ("beside", "off"))
     x = jax.random.normal(jax.random.key(1), (3, 1024), jnp.float32)
-    assert "mosaic_gpu" in lower(x) and "triton" not in lower(x)
-    assert "mosaic_gpu" not in lower(x, mgpu=False) and "triton" in lower(x, mgpu=False)
-    assert "mosaic_gpu" not in lower(x[:1])
-    plain = qm.PackedWeight(pw.data, pw.fmt, pw.shape, pw.f16_ok)
-    np.testing.assert_array_equal(np.asarray(qm.qmatmul(x, pw, interpret=True)),
-                                  np.asarray(qm.qmatmul(x, plain, interpret=True)))
+    assert "mosaic_gpu" in lowered(x, pw) and "triton" not in lowered(x, pw)
+    assert "mosaic_gpu" not in lowered(x, plain) and "triton" in lowered(x, plain)
+    assert "mosaic_gpu" not in lowered(x[:1], pw) and "gemv_int8_q4_k" in lowered(x[:1], pw)
+    got = qm.qmatmul(x, pw, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(qm.qmatmul(x, plain, interpret=True)))
+    assert rel(got, qm.qmatmul_reference(x, pw)) < 1e-5
+    with pytest.raises(ValueError, match="take `splits` only"):
+        qm.qmatmul(x, pw, block_n=32)
 
 
-@pytest.fixture
-def mgpu_only(monkeypatch):
-    monkeypatch.setattr(qm, "MGPU_LAYOUT", "only")
-
-
-def test_the_mosaic_layout_alone_replaces_the_q4k_fields(mgpu_only):
-    """MGPU_LAYOUT "only": the Mosaic layout is the weight's only copy (its bytes, its values), weights the kernel
-    cannot take keep the Triton layout, every product of it is the Mosaic kernel (one token too), and where that
-    cannot run (interpret mode, mgpu=False) qmatmul says so."""
+def test_the_mosaic_layout_alone_replaces_the_q4k_fields():
+    """mgpu="only": the Mosaic layout is the weight's only copy (its bytes, its values), weights the kernel cannot
+    take keep the Triton layout, every product of it is the Mosaic kernel (one token too), its reference is the
+    kernel's, and in interpret mode qmatmul says it cannot run."""
     qt = q4k(128, 512)
-    pw = qm.pack(qt)
-    assert pw.mgpu_only and pw.data == {} and pw.nbytes == pw.mgpu.nbytes == mg.pack(qt).nbytes
-    np.testing.assert_array_equal(np.asarray(qm.dequantize_packed(pw)), np.asarray(dequantize(qt)))
-    assert not qm.pack(q4k(48, 512)).mgpu_only and qm.pack(q4k(48, 512)).data
+    pw = qm.pack(qt.fmt, qt.shape, qt.data, mgpu="only")
+    assert pw.mgpu_only and pw.data == {} and pw.nbytes == pw.mgpu.nbytes == mgpu_pack(qt).nbytes
+    np.testing.assert_array_equal(np.asarray(qm.dequantize(pw)), np.asarray(dequantize(qt)))
+    small = qm.pack("Q4_K", (48, 512), q4k(48, 512).data, mgpu="only")
+    assert not small.mgpu_only and small.data
     for m in (1, 23):
-        x = jnp.zeros((m, 512), jnp.float32)
-        text = jax.jit(qm.qmatmul).trace(x, pw).lower(lowering_platforms=("cuda",)).as_text()
+        x = jax.random.normal(jax.random.key(m), (m, 512), jnp.float32)
+        text = lowered(x, pw)
         assert "mosaic_gpu" in text and "triton" not in text, m
+        np.testing.assert_array_equal(np.asarray(qm.qmatmul_reference(x, pw)), np.asarray(mg.reference(x, pw.mgpu)))
     with pytest.raises(ValueError, match="Mosaic GPU kernel alone"):
-        qm.qmatmul(jnp.zeros((2, 512)), pw, interpret=True)
-    with pytest.raises(ValueError, match="Mosaic GPU kernel alone"):
-        qm.qmatmul(jnp.zeros((2, 512)), pw, mgpu=False)
-
-
-def test_mgpu_layout_values_are_checked(monkeypatch):
-    monkeypatch.setattr(qm, "MGPU_LAYOUT", "both")
-    with pytest.raises(ValueError, match="MGPU_LAYOUT is one of"):
-        qm.pack(q4k(64, 256))
+        qm.qmatmul(jnp.ones((2, 512)), pw, interpret=True)
 
 
 Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 6144), (12288, 5120)]
@@ -264,11 +194,9 @@ Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 614
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", Q4K_27B)
-@pytest.mark.parametrize("m,order", [(m, "wgmma") for m in (2, 16, 23, 32, 64)] + [(2, "natural"), (23, "natural")]
-                         + [(m, "subnormal") for m in (2, 23, 64)])
-def test_kernel_at_27b_shapes(n, k, m, order):
-    nibbles = "subnormal" if order == "subnormal" else "magic"  # the "subnormal" form (in the "wgmma" order)
-    w = mg.pack(q4k(n, k, seed=m), "wgmma" if order == "subnormal" else order, nibbles)
+@pytest.mark.parametrize("m", [2, 16, 23, 32, 64])
+def test_kernel_at_27b_shapes(n, k, m):
+    w = mgpu_pack(q4k(n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     got = mg.qmatmul(x, w)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
@@ -276,63 +204,39 @@ def test_kernel_at_27b_shapes(n, k, m, order):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["wgmma", "natural", "subnormal"])
-def test_kernel_multiplies_the_reference_float16_weights(order):
+def test_kernel_multiplies_the_reference_float16_weights():
     """x one-hot at 64 columns (a 2**F16_SHIFT, exact in float16) reads 64 of the kernel's weights out exactly:
-    every row's float16 weight at each column is `f16_weights`', bit for bit (times the output's 2**(F16_SHIFT -
-    gain), a power of two)."""
-    w = mg.pack(q4k(512, 2048, seed=11), "wgmma" if order == "subnormal" else order,
-                "subnormal" if order == "subnormal" else "magic")
+    every row's float16 weight at each column is `f16_weights`', bit for bit."""
+    w = mgpu_pack(q4k(512, 2048, seed=11))
     cols = np.random.default_rng(0).permutation(2048)[:64]
-    x = jnp.zeros((64, 2048), jnp.float32).at[np.arange(64), cols].set(2.0 ** qm.F16_SHIFT)
+    x = jnp.zeros((64, 2048), jnp.float32).at[np.arange(64), cols].set(2.0 ** F16_SHIFT)
     np.testing.assert_array_equal(np.asarray(mg.qmatmul(x, w)),
-                                  np.asarray(mg.f16_weights(w)[:, cols].T.astype(jnp.float32)
-                                             * 2.0 ** (qm.F16_SHIFT - w.gain)))
+                                  np.asarray(mg.f16_weights(w)[:, cols].T.astype(jnp.float32)))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,stages,rows", [(1, 2, 64), (2, 4, 128), (4, 3, 256)])
-@pytest.mark.parametrize("order", mg.ORDERS)
-def test_kernel_options(splits, stages, rows, order):
-    w = mg.pack(q4k(1024, 5120, seed=3), order)
+@pytest.mark.parametrize("splits,stages", [(1, 2), (2, 4), (4, 3)])
+def test_kernel_options(splits, stages):
+    w = mgpu_pack(q4k(1024, 5120, seed=3))
     for m in (5, 40):
         x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
-        assert rel(mg.qmatmul(x, w, splits=splits, stages=stages, rows=rows), mg.reference(x, w)) < 1e-4
+        assert rel(mg.qmatmul(x, w, splits=splits, stages=stages), mg.reference(x, w)) < 1e-4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cols", mg.WGMMA_COLS[1:])
-@pytest.mark.parametrize("nibbles", mg.NIBBLES)
-def test_kernel_with_several_sub_blocks_a_wgmma(cols, nibbles):
-    w = mg.pack(q4k(1024, 5120, seed=3), nibbles=nibbles)
-    for m in (5, 23, 40):
-        x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
-        assert rel(mg.qmatmul(x, w, cols=cols), mg.reference(x, w)) < 1e-4
-
-
-@pytest.mark.gpu
-def test_split_sums_by_tma_at_a_27b_shape():
-    """split_sum="tma_add" at ffn_gate's shape: the reference's product, within float32 rounding of the order in
-    which the four splits land."""
-    w = mg.pack(q4k(17408, 5120, seed=7))
-    for m in (5, 23):
-        x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
-        got = mg.qmatmul(x, w, split_sum="tma_add")
-        assert rel(got, mg.reference(x, w)) < 1e-4 and rel(got, mg.qmatmul(x, w)) < 1e-6
-
-
-@pytest.mark.gpu
-def test_qmatmul_with_the_layout_at_27b_shapes(mgpu_layout):
-    pw = qm.pack(q4k(17408, 5120, seed=5))
-    x = jax.random.normal(jax.random.key(5), (23, 5120), jnp.float32)
-    assert rel(qm.qmatmul(x, pw), mg.reference(x, pw.mgpu)) < 1e-4
-    triton = qm.qmatmul(x, pw, mgpu=False)
-    assert rel(triton, qm.qmatmul_reference(x, pw, "f16x2")) < 4e-3  # BF16_TILES of test_qmatmul.py
+@pytest.mark.parametrize("m", [1, 2, 23])
+def test_qmatmul_with_the_layout_beside_at_27b_shapes(m):
+    """mgpu="beside": 2+ tokens on the Mosaic kernel, one on the int8 GEMV, each against qmatmul's reference."""
+    qt = q4k(17408, 5120, seed=5)
+    pw = qm.pack(qt.fmt, qt.shape, qt.data, mgpu="beside")
+    x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
+    assert pw.mgpu is not None and rel(qm.qmatmul(x, pw), qm.qmatmul_reference(x, pw)) < 1e-4
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 23])
-def test_the_mosaic_layout_alone_at_27b_shapes(mgpu_only, m):
-    pw = qm.pack(q4k(17408, 5120, seed=6))
+def test_the_mosaic_layout_alone_at_27b_shapes(m):
+    qt = q4k(17408, 5120, seed=6)
+    pw = qm.pack(qt.fmt, qt.shape, qt.data, mgpu="only")
     x = jax.random.normal(jax.random.key(6), (m, 5120), jnp.float32)
-    assert pw.mgpu_only and rel(qm.qmatmul(x, pw), mg.reference(x, pw.mgpu)) < 1e-4
+    assert pw.mgpu_only and rel(qm.qmatmul(x, pw), qm.qmatmul_reference(x, pw)) < 1e-4

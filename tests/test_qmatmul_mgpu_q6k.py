@@ -12,6 +12,8 @@ from dflash_jax.testing.synthetic import random_matrix
 from pallas_kernels import qmatmul as qm
 from pallas_kernels import qmatmul_mgpu as mg
 from pallas_kernels import qmatmul_mgpu_q6k as q6
+from pallas_kernels import qmatmul_triton
+from pallas_kernels.qcommon import F16_SHIFT
 
 
 def rel(a, b) -> float:
@@ -22,9 +24,13 @@ def q6k(n: int, k: int, seed: int = 0):
     return random_matrix(jax.random.key(seed), "Q6_K", (n, k))
 
 
+def mgpu_pack(qt):
+    return q6.pack(qt.fmt, qt.shape, qt.data)
+
+
 def test_layout_holds_the_gguf_values_exactly():
     qt = q6k(128, 768)
-    w = q6.pack(qt)
+    w = mgpu_pack(qt)
     assert w.lo.dtype == jnp.int4 and w.hi.dtype == jnp.int4 and w.scales.dtype == jnp.uint32
     assert w.lo.shape == (128, 768) and w.hi.shape == (128, 384) and w.scales.shape == (3 * 5, 128)
     np.testing.assert_array_equal(np.asarray(q6.dequantize(w)), np.asarray(dequantize(qt)))
@@ -49,7 +55,7 @@ def test_conversion_emulated_is_the_reference_weights():
     """An emulation of `_f16_tile_q6k` and `_scale_pairs` (bias SCALE_BIAS) on the packed arrays, lane by lane (the
     words a lane loads in WGMMA_UPCAST_4X layout; two lop3, a sub and a multiply per register, as the inline PTX
     does them) gives every float16 weight `f16_weights` says, bit for bit, in WGMMA's register order."""
-    w = q6.pack(q6k(64, 512, seed=3))
+    w = mgpu_pack(q6k(64, 512, seed=3))
     lo, hi = bits(w.lo), bits(w.hi)
     words = np.asarray(w.scales).T.reshape(64, 2, mg.SCALE_WORDS)
     want = np.asarray(q6.f16_weights(w)).astype(np.float32)
@@ -77,23 +83,27 @@ def test_conversion_emulated_is_the_reference_weights():
 
 def test_reference_is_the_float16_product():
     qt = q6k(256, 1024, seed=1)
-    w = q6.pack(qt)
+    w = mgpu_pack(qt)
     x = jax.random.normal(jax.random.key(2), (23, 1024), jnp.float32)
     exact = jnp.einsum("mk,nk->mn", x, dequantize(qt), precision=jax.lax.Precision.HIGHEST)
     assert rel(q6.reference(x, w), exact) < 6e-4
-    assert rel(q6.f16_weights(w).astype(jnp.float32), dequantize(qt) * 2.0 ** qm.F16_SHIFT) < 5e-4
+    assert rel(q6.f16_weights(w).astype(jnp.float32), dequantize(qt) * 2.0 ** F16_SHIFT) < 5e-4
+    # the f16x2 tiles' weights of the Triton kernel, bit for bit: the two kernels share qmatmul's reference
+    pw = qm.pack(qt.fmt, qt.shape, qt.data)
+    np.testing.assert_array_equal(np.asarray(q6.f16_weights(w).astype(jnp.float32) / 2.0 ** F16_SHIFT),
+                                  np.asarray(qmatmul_triton.mma_weights(pw)))
 
 
 def test_refuses_what_it_cannot_take():
     with pytest.raises(NotImplementedError, match="Q6_K"):
-        q6.pack(random_matrix(jax.random.key(0), "Q4_K", (64, 256)))
+        mgpu_pack(random_matrix(jax.random.key(0), "Q4_K", (64, 256)))
     with pytest.raises(ValueError, match="multiple of 64 rows"):
-        q6.pack(q6k(48, 256))
+        mgpu_pack(q6k(48, 256))
     loud = q6k(64, 256)
     loud = type(loud)({**loud.data, "d": jnp.full_like(loud.data["d"], 60.0)}, loud.fmt, loud.shape)
     with pytest.raises(ValueError, match="float16"):
-        q6.pack(loud)
-    w = q6.pack(q6k(64, 512))
+        mgpu_pack(loud)
+    w = mgpu_pack(q6k(64, 512))
     with pytest.raises(ValueError, match="1 to 64 rows"):
         q6.qmatmul(jnp.zeros((65, 512)), w)
     with pytest.raises(ValueError, match="columns"):
@@ -104,25 +114,8 @@ def test_refuses_what_it_cannot_take():
 
 @pytest.mark.parametrize("m", [1, 23, 64])
 def test_lowers_for_cuda_on_a_cpu(m):
-    w = q6.pack(q6k(128, 1024))
+    w = mgpu_pack(q6k(128, 1024))
     text = jax.jit(q6.qmatmul).trace(jnp.zeros((m, 1024), jnp.float32), w).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("cols", [64, 128])
-def test_lowers_for_cuda_with_several_groups_a_wgmma(cols):
-    w = q6.pack(q6k(128, 1024))
-    x = jnp.zeros((23, 1024), jnp.float32)
-    assert "mosaic_gpu" in q6.qmatmul.trace(x, w, cols=cols).lower(lowering_platforms=("cuda",)).as_text()
-    for bad in (48, 256):
-        with pytest.raises(ValueError, match="wgmma call"):
-            q6.qmatmul(x, w, cols=bad)
-
-
-def test_split_sums_by_tma_lower_for_cuda_on_a_cpu():
-    w = q6.pack(q6k(128, 1024))
-    text = q6.qmatmul.trace(jnp.zeros((23, 1024), jnp.float32), w, split_sum="tma_add").lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -134,7 +127,7 @@ Q6K_27B = [(5120, 17408), (10240, 5120), (1024, 5120)]  # ffn_down, attn_qkv, at
 @pytest.mark.parametrize("n,k", Q6K_27B)
 @pytest.mark.parametrize("m", [2, 16, 23, 64])
 def test_kernel_at_27b_shapes(n, k, m):
-    w = q6.pack(q6k(n, k, seed=m))
+    w = mgpu_pack(q6k(n, k, seed=m))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     got = q6.qmatmul(x, w)
     assert got.shape == (m, n) and bool(jnp.all(jnp.isfinite(got)))
@@ -142,83 +135,55 @@ def test_kernel_at_27b_shapes(n, k, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cols", [64, 128])
-def test_kernel_with_several_groups_a_wgmma(cols):
-    w = q6.pack(q6k(1024, 5120, seed=3))
-    for m in (5, 23, 40):
-        x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
-        assert rel(q6.qmatmul(x, w, cols=cols), q6.reference(x, w)) < 1e-4
-    x = jnp.zeros((64, 5120), jnp.float32).at[np.arange(64), np.arange(64) * 80].set(2.0 ** qm.F16_SHIFT)
-    np.testing.assert_array_equal(np.asarray(q6.qmatmul(x, w, cols=cols)),
-                                  np.asarray(q6.f16_weights(w)[:, ::80].T.astype(jnp.float32)))
-
-
-@pytest.mark.gpu
-def test_split_sums_by_tma_at_a_27b_shape():
-    w = q6.pack(q6k(5120, 17408, seed=7))
-    x = jax.random.normal(jax.random.key(23), (23, 17408), jnp.float32)
-    got = q6.qmatmul(x, w, split_sum="tma_add")
-    assert rel(got, q6.reference(x, w)) < 1e-4 and rel(got, q6.qmatmul(x, w)) < 1e-6
-
-
-@pytest.mark.gpu
 def test_kernel_on_the_output_head():
     """The 27B's output head (Q6_K, 248320 x 5120) at 23 tokens, the tree verify's logits."""
-    w = q6.pack(q6k(248320, 5120, seed=5))
+    w = mgpu_pack(q6k(248320, 5120, seed=5))
     x = jax.random.normal(jax.random.key(5), (23, 5120), jnp.float32)
     assert rel(q6.qmatmul(x, w), q6.reference(x, w)) < 1e-4
 
 
 @pytest.mark.gpu
-def test_the_q6k_layout_alone_at_a_27b_shape(q6k_layout_only):
-    pw = qm.pack(q6k(5120, 17408, seed=6))
+@pytest.mark.parametrize("mgpu", ["beside", "only"])
+def test_qmatmul_with_the_q6k_layout_at_a_27b_shape(mgpu):
+    """qmatmul on ffn_down's shape with the Mosaic layout beside the Triton one (one token on the int8 GEMV) or
+    alone (every product on the Mosaic kernel), against qmatmul's reference."""
+    qt = q6k(5120, 17408, seed=6)
+    pw = qm.pack(qt.fmt, qt.shape, qt.data, mgpu=mgpu)
+    assert isinstance(pw.mgpu, q6.MgpuQ6K) and pw.mgpu_only == (mgpu == "only")
     for m in (1, 23):
         x = jax.random.normal(jax.random.key(m), (m, 17408), jnp.float32)
-        assert pw.mgpu_only and rel(qm.qmatmul(x, pw), q6.reference(x, pw.mgpu)) < 1e-4
+        assert rel(qm.qmatmul(x, pw), qm.qmatmul_reference(x, pw)) < 1e-4, m
 
 
 @pytest.mark.gpu
 def test_kernel_multiplies_the_reference_float16_weights():
     """x one-hot at 64 columns reads 64 of the kernel's float16 weights out exactly (`f16_weights`', bit for bit)."""
-    w = q6.pack(q6k(512, 2048, seed=11))
+    w = mgpu_pack(q6k(512, 2048, seed=11))
     cols = np.random.default_rng(0).permutation(2048)[:64]
-    x = jnp.zeros((64, 2048), jnp.float32).at[np.arange(64), cols].set(2.0 ** qm.F16_SHIFT)
+    x = jnp.zeros((64, 2048), jnp.float32).at[np.arange(64), cols].set(2.0 ** F16_SHIFT)
     np.testing.assert_array_equal(np.asarray(q6.qmatmul(x, w)),
                                   np.asarray(q6.f16_weights(w)[:, cols].T.astype(jnp.float32)))
 
 
-@pytest.fixture
-def q6k_layout_only(monkeypatch):
-    monkeypatch.setattr(qm, "MGPU_LAYOUT", "only")
-
-
-def test_pack_takes_the_q6k_layout_only_where_mgpu_formats_says():
-    """Q6_K takes its Mosaic layout by default and stays on the Triton kernels where `MGPU_FORMATS` leaves it out;
-    an unknown format there is refused."""
-    assert qm.MGPU_FORMATS == ("Q4_K", "Q6_K")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(qm, "MGPU_LAYOUT", "only")
-        assert isinstance(qm.pack(q6k(128, 512)).mgpu, q6.MgpuQ6K)
-        mp.setattr(qm, "MGPU_FORMATS", ("Q4_K",))
-        assert qm.pack(q6k(128, 512)).mgpu is None
-        mp.setattr(qm, "MGPU_FORMATS", ("Q4_K", "Q5_K"))
-        with pytest.raises(ValueError, match="MGPU_FORMATS"):
-            qm.pack(q6k(128, 512))
-    with pytest.raises(NotImplementedError, match="Q5_K"):
-        qm.mgpu_module("Q5_K")
-
-
-def test_the_q6k_layout_alone_in_qmatmul(q6k_layout_only):
-    """With Q6_K in `MGPU_FORMATS`, MGPU_LAYOUT "only" packs a Q6_K weight in this kernel's layout alone: its values
-    exactly, its products (one token too) lowered to the Mosaic kernel, and the f16x2 reference its float16
-    weights."""
+def test_pack_gives_q6k_the_mosaic_layout():
+    """mgpu "beside" and "only" give Q6_K weights this kernel's layout too, "off" does not; qmatmul has a Mosaic GPU
+    kernel for Q4_K and Q6_K only."""
     qt = q6k(128, 512)
-    pw = qm.pack(qt)
-    assert pw.mgpu_only and isinstance(pw.mgpu, q6.MgpuQ6K) and pw.nbytes == q6.pack(qt).nbytes
-    np.testing.assert_array_equal(np.asarray(qm.dequantize_packed(pw)), np.asarray(dequantize(qt)))
-    np.testing.assert_array_equal(np.asarray(qm.dequantize_packed(pw, "f16x2")),
-                                  np.asarray(q6.f16_weights(pw.mgpu).astype(jnp.float32) / 2.0 ** qm.F16_SHIFT))
+    for mgpu in ("beside", "only"):
+        assert isinstance(qm.pack(qt.fmt, qt.shape, qt.data, mgpu=mgpu).mgpu, q6.MgpuQ6K)
+    assert qm.pack(qt.fmt, qt.shape, qt.data).mgpu is None
+    assert set(qm.MGPU_MODULES) == {"Q4_K", "Q6_K"}
+
+
+def test_the_q6k_layout_alone_in_qmatmul():
+    """mgpu="only" packs a Q6_K weight in this kernel's layout alone: its values exactly, its products (one token
+    too) lowered to the Mosaic kernel, its reference the kernel's."""
+    qt = q6k(128, 512)
+    pw = qm.pack(qt.fmt, qt.shape, qt.data, mgpu="only")
+    assert pw.mgpu_only and isinstance(pw.mgpu, q6.MgpuQ6K) and pw.nbytes == mgpu_pack(qt).nbytes
+    np.testing.assert_array_equal(np.asarray(qm.dequantize(pw)), np.asarray(dequantize(qt)))
     for m in (1, 23):
-        x = jnp.zeros((m, 512), jnp.float32)
+        x = jax.random.normal(jax.random.key(m), (m, 512), jnp.float32)
         text = jax.jit(qm.qmatmul).trace(x, pw).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and "triton" not in text, m
+        np.testing.assert_array_equal(np.asarray(qm.qmatmul_reference(x, pw)), np.asarray(q6.reference(x, pw.mgpu)))
