@@ -63,8 +63,9 @@ def prepare_matrix(x: Any, kcfg: KernelConfig) -> Any:
     return qm.pack(x.fmt, x.shape, x.data, mgpu=kcfg.mgpu)
 
 
-def linear(x: jax.Array, w: Any, kcfg: KernelConfig = REFERENCE) -> jax.Array:
-    """x [..., in] @ w.T -> float32, for a dense array, a QTensor (reference) or a PackedWeight (Pallas)."""
+def linear(x: jax.Array, w: Any, kcfg: KernelConfig) -> jax.Array:
+    """x [..., in] @ w.T -> float32, for a dense array, a QTensor (reference) or a PackedWeight (the Pallas kernels,
+    laid out for `kcfg` at load)."""
     if not isinstance(w, qm.PackedWeight):
         return reference_linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]

@@ -8,15 +8,16 @@ listed). Each timed call runs the product over enough copies of the weight to be
 weights stream from HBM. Each product has two times: the median wall time of a call over its copies (us, ratio),
 which includes the call's dispatch and the wait for it, and the GPU kernel time of a traced call over its copies
 (kernel_us, kernel_ratio: its GPU events summed, as benchlib.kernel_seconds), which does not; kernels_us splits it
-by kernel (the product's own and XLA's around it), and each line names the longest. `--sweep` also times tile
-variants, `--splits` the K split over 1, 2, 4 and 8 programs, `--variants` any qmatmul options (e.g.
-`asm=1,prefetch=1`).
+by kernel (the product's own and XLA's around it), and each line names the longest. qmatmul runs the Triton layout's
+route for each M (one token: the int8 GEMV for Q4_K/Q6_K, the float GEMV otherwise; more: the tensor-core kernel).
+`--sweep` also times tile variants, `--splits` the K split over 1, 2, 4 and 8 programs, `--variants` any of
+qmatmul's tuning arguments (e.g. `block_n=32,num_warps=8`). The drafter's bf16 matrices are not here: XLA's product
+serves them.
 
 qmatmul_mgpu: the Mosaic GPU kernels on the 27B's Q4_K shapes (pallas_kernels/qmatmul_mgpu.py) and Q6_K ones
-(qmatmul_mgpu_q6k.py) at each `--m`, beside qmatmul on the same weights in the same run; its rate also counts GGUF
-bytes (its layouts read 2.8 % and 1 % more). `--variants` options apply to the Q4_K kernel here (e.g. `splits=2`,
-`stages=4`, `rows=128`, `cols=64`; `order=natural` packs the quants in that order, `nibbles=subnormal` in that
-form), and those of them the Q6_K kernel takes (`splits`, `stages`, `cols`) to it too.
+(qmatmul_mgpu_q6k.py) at each `--m`, beside qmatmul's Triton route on the same weights in the same run; its rate
+also counts GGUF bytes (its layouts read 2.8 % and 1 % more). `--variants` options (`splits`, `stages`) apply to
+both Mosaic kernels here.
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
@@ -81,17 +82,16 @@ SHAPES = [
     ("attn_output", "Q4_K", 5120, 6144),
     ("ssm_alpha", "Q8_0", 48, 5120),
     ("output", "Q6_K", 248320, 5120),
-    ("drafter fc", "BF16", 5120, 25600),
 ]
 MIN_BYTES = 512 * 2**20  # stream at least this much per timed call (H100 L2: 50 MB)
 
 
-def _copies(fmt: str, n: int, k: int):
-    """Enough random copies of an [n, k] weight to stream MIN_BYTES, with entries of about 1/sqrt(k) as a model's
+def _copies(fmt: str, n: int, k: int, min_bytes: int = MIN_BYTES):
+    """Enough random copies of an [n, k] weight to stream `min_bytes`, with entries of about 1/sqrt(k) as a model's
     (random_matrix; float16 holds their scales for f16x2 tiles, where unit-scale random Q6_K scales overflow it)."""
     std = {}
     one = random_matrix(jax.random.key(0), fmt, (n, k), std)
-    reps = max(2, min(64, math.ceil(MIN_BYTES / one.nbytes)))
+    reps = max(2, min(64, math.ceil(min_bytes / one.nbytes)))
     return [random_matrix(jax.random.key(i), fmt, (n, k), std) for i in range(reps)], one.nbytes
 
 
@@ -106,9 +106,14 @@ def _times(run, x, weights, gguf_bytes: int, copy: float) -> dict:
 
 
 def _kernel_times(run, *args, per: int = 1) -> dict:
-    """GPU time of `run(*args)` over `per` (us): kernel_us in all and kernels_us by kernel (its own, XLA's around
-    it); {} where a trace has no GPU events (a CPU run)."""
-    per_kernel = {name: sec * 1e6 / per for name, sec in kernel_seconds_by_name(run, *args).items()}
+    """GPU time of `run(*args)` over `per` (us), as `kernel_times` gives it."""
+    return kernel_times(kernel_seconds_by_name(run, *args), per)
+
+
+def kernel_times(seconds_by_name: dict[str, float], per: int = 1) -> dict:
+    """Seconds of a call by kernel name, over `per` (us): kernel_us in all and kernels_us by kernel (its own, XLA's
+    around it); {} where a trace had no GPU events (a CPU run)."""
+    per_kernel = {name: sec * 1e6 / per for name, sec in seconds_by_name.items()}
     total = sum(per_kernel.values())
     return dict(kernel_us=total, kernels_us=per_kernel) if total > 0 else {}
 
@@ -133,17 +138,20 @@ def _line(name: str, fmt: str, m: int, what: str, r: dict) -> str:
 
 
 def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None,
-                  splits: bool = False, tiles: list[str] = (), extra: list[dict] = ()) -> list[dict]:
+                  splits: bool = False, tiles: list[str] = (), extra: list[dict] = (), shapes: list = SHAPES,
+                  min_bytes: int = MIN_BYTES, interpret: bool = False) -> list[dict]:
+    """qmatmul (the Triton layout's route for each M) and XLA's dequantize-then-dot on each shape at each M, with the
+    variants asked for; `interpret` runs the kernels in interpret mode (a CPU check of the harness)."""
     rows = []
-    for name, fmt, n, k in SHAPES:
+    for name, fmt, n, k in shapes:
         if only and f"{name}:{fmt}" not in only:
             continue
-        qts, gguf_bytes = _copies(fmt, n, k)
-        packed = [qm.pack(q) for q in qts]
+        qts, gguf_bytes = _copies(fmt, n, k, min_bytes)
+        packed = [qm.pack(q.fmt, q.shape, q.data) for q in qts]
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
             ref = qm.qmatmul_reference(x, packed[0])
-            variants = [dict()] + ([dict(gemv=False)] if m == 1 else [])  # M = 1: the GEMV and the tensor cores
+            variants = [dict()]
             if sweep:
                 variants += [dict(block_n=bn, columns=c, num_warps=nw)
                              for bn in (16, 32, 64) for c in (256, 512, 1024) for nw in (4, 8)]
@@ -155,7 +163,7 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
             variants += [{k: v for k, v in opts.items() if k != "m"} for opts in extra if opts.get("m", m) == m]
             for opts in variants:
                 try:
-                    run = jax.jit(lambda x, ws, o=opts: [qm.qmatmul(x, w, **o) for w in ws])
+                    run = jax.jit(lambda x, ws, o=opts: [qm.qmatmul(x, w, interpret=interpret, **o) for w in ws])
                     out = run(x, packed)[0]
                     err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
                     times = _times(run, x, packed, gguf_bytes, copy)
@@ -183,32 +191,25 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
         if fmt not in ("Q4_K", "Q6_K") or (only and f"{name}:{fmt}" not in only):
             continue
         qts, gguf_bytes = _copies(fmt, n, k)
-        packed = {"qmatmul": [qm.pack(q) for q in qts]}  # and the Mosaic kernel's per (order, nibbles) when asked
-        mosaic = ((mg.qmatmul, [dict(), *extra]) if fmt == "Q4_K" else
-                  (q6.qmatmul, [dict(), *[o for o in extra if set(o) <= {"splits", "stages", "cols", "split_sum"}]]))
-        kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": mosaic}
+        module = mg if fmt == "Q4_K" else q6
+        packed = {"qmatmul": [qm.pack(q.fmt, q.shape, q.data) for q in qts],
+                  "qmatmul_mgpu": [module.pack(q.fmt, q.shape, q.data) for q in qts]}
+        kernels = {"qmatmul": (qm.qmatmul, [dict()]), "qmatmul_mgpu": (module.qmatmul, [dict(), *extra])}
         exact_w = dequantize(qts[0])
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
             exact = jnp.einsum("mk,nk->mn", x, exact_w, precision=jax.lax.Precision.HIGHEST)
             for kernel, (fn, variants) in kernels.items():
+                weights = packed[kernel]
                 for opts in variants:
-                    if kernel == "qmatmul":
-                        weights, call = packed[kernel], opts
-                    else:  # `order` and `nibbles` are the layout's (pack's), the rest the call's
-                        form = opts.get("order", mg.ORDER), opts.get("nibbles", mg.NIBBLE)
-                        if form not in packed:  # (the Q6_K kernel has one form)
-                            packed[form] = [q6.pack(q) if fmt == "Q6_K" else mg.pack(q, *form) for q in qts]
-                        weights = packed[form]
-                        call = {key: v for key, v in opts.items() if key not in ("order", "nibbles")}
-                    run = jax.jit(lambda x, ws, fn=fn, o=call: [fn(x, w, **o) for w in ws])
+                    run = jax.jit(lambda x, ws, fn=fn, o=opts: [fn(x, w, **o) for w in ws])
                     try:
                         first = run(x, weights[:1])[0]
                     except ValueError as e:  # an option this shape cannot take (a split that does not divide K)
                         print(f"  {name} {fmt} M={m} {opts}: {e}", flush=True)
                         continue
                     err = float(jnp.linalg.norm(first - exact) / jnp.linalg.norm(exact))
-                    # bit for bit the same product on 8 more calls (the K splits' sum in a fixed order)
+                    # bit for bit the same product on 8 more calls (XLA sums the K splits in a fixed order)
                     same = all(bool(jnp.array_equal(run(x, weights[:1])[0], first)) for _ in range(8))
                     times = _times(run, x, weights, gguf_bytes, copy)
                     rows.append(dict(kernel=kernel, matrix=name, fmt=fmt, n=n, k=k, m=m, **opts, rel_err=err,
@@ -380,8 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiles", nargs="+", default=[], metavar="BN:COLS:WARPS",
                     help="also time qmatmul with these tiles (rows of W, columns per step, warps)")
     ap.add_argument("--variants", nargs="+", default=[], type=parse_options, metavar="KEY=VALUE,...",
-                    help="also time qmatmul with these options (e.g. prefetch=1 m=1,prefetch=1,block_n=16; "
-                         "m=M times that variant at M tokens only)")
+                    help="also time qmatmul with these tuning arguments (e.g. block_n=32 m=1,block_n=16,splits=2; "
+                         "m=M times that variant at M tokens only); with qmatmul_mgpu, the Mosaic kernels with "
+                         "theirs (splits, stages)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
                     choices=["qmatmul", "qmatmul_mgpu", "tree_attention", "gdn", "tree_conv"],
                     help="which kernels to time")
@@ -408,27 +410,29 @@ def main(argv: list[str] | None = None) -> None:
             extra += f"  {r['of_ar']:.3f} of AR weights" if "of_ar" in r else ""
             print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} {r['us']:9.1f} us"
                   + extra)
-    if "qmatmul" not in args.kernels:
-        return
-    print("\nqmatmul, default tiles (us per product, wall; ratio = GGUF weight bytes/s over the copy rate, wall / "
-          "kernel time)")
-    columns = [(m, "default") for m in args.m] + ([(1, "tensor cores")] if 1 in args.m else [])
-    print(f"{'matrix':12s} {'fmt':5s} {'N':>6s} {'K':>6s} "
-          + " ".join(f"{'M=' + str(m) + (' TC' if v != 'default' else ''):>18s}" for m, v in columns)
-          + "   XLA M=" + str(args.m[0]))
-    for name, fmt, n, k in SHAPES:
-        if args.only and f"{name}:{fmt}" not in args.only:
-            continue
+    if "qmatmul" in args.kernels:
+        print(qmatmul_table(rows, args.m, [shape for shape in SHAPES
+                                           if not args.only or f"{shape[0]}:{shape[1]}" in args.only]))
+
+
+def qmatmul_table(rows: list[dict], ms: list[int], shapes: list) -> str:
+    """qmatmul's default-tile rows as a table: us per product (wall) and the ratio of GGUF weight bytes/s to the copy
+    rate (wall / kernel time) at each M, XLA's ratio at the first M."""
+    lines = ["", "qmatmul, default tiles (us per product, wall; ratio = GGUF weight bytes/s over the copy rate, wall / "
+             "kernel time)",
+             f"{'matrix':12s} {'fmt':5s} {'N':>6s} {'K':>6s} " + " ".join(f"{'M=' + str(m):>18s}" for m in ms)
+             + "   XLA M=" + str(ms[0])]
+    for name, fmt, n, k in shapes:
         cells = []
-        for m, variant in columns:
+        for m in ms:
             r = next((r for r in rows if r["kernel"] == "qmatmul" and r["matrix"] == name and r["fmt"] == fmt
-                      and r["m"] == m and (r.get("tile") == "default" if variant == "default"
-                                           else r.get("gemv") is False)), None)
+                      and r["m"] == m and r.get("tile") == "default"), None)
             kernel = f"/{r['kernel_ratio']:4.2f}" if r and "kernel_ratio" in r else " " * 5
             cells.append(f"{r['us']:6.1f}us {r['ratio']:4.2f}{kernel}" if r else f"{'-':>18s}")
         x = next((r for r in rows if r["kernel"] == "xla_dequant_dot" and r["matrix"] == name and r["fmt"] == fmt
-                  and r["m"] == args.m[0]), None)
-        print(f"{name:12s} {fmt:5s} {n:6d} {k:6d} " + " ".join(cells) + (f"   {x['ratio']:4.2f}" if x else ""))
+                  and r["m"] == ms[0]), None)
+        lines.append(f"{name:12s} {fmt:5s} {n:6d} {k:6d} " + " ".join(cells) + (f"   {x['ratio']:4.2f}" if x else ""))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ are pipelined, and the instructions each thread issues per K step and per weight
 
     pip install triton        # the Triton compiler, with ptxas and cuobjdump (Linux x86-64 wheels)
     python scripts/qmatmul_sass.py --out scripts/results/qmatmul_sass.txt
-    python scripts/qmatmul_sass.py --out x.txt --cases Q4_K:17408:5120:1 --variants prefetch=1 block_n=16,prefetch=1
+    python scripts/qmatmul_sass.py --out x.txt --cases Q4_K:17408:5120:1 --variants block_n=8 block_n=32
 
-Pallas lowers a kernel to Triton IR without a GPU (`lowering_platforms=("cuda",)`). The script prints that IR in
-MLIR's generic form, compiles it with the pip `triton` package for sm_90 with the kernel's own num_warps and
+Pallas lowers a kernel to Triton IR without a GPU (`lowering_platforms=("cuda",)`); the HLO carries it as MLIR
+bytecode in the Triton custom call's backend config, which the script reads back with jaxlib's Triton dialect and
+compiles with the pip `triton` package for sm_90 with the kernel's own num_warps and
 num_stages, and reads the cubin with cuobjdump. XLA compiles the same IR with the Triton inside jaxlib, whose
 version differs from pip's: the counts describe what a Triton compiler makes of the kernel, leads to check against
 timings on the device, not timings.
@@ -35,53 +36,69 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import parse_options  # noqa: E402
 
+from jax._src.lib import triton as jaxlib_triton  # noqa: E402
+from jax._src.lib.mlir import ir  # noqa: E402
+
 from dflash_jax.testing.random_weights import random_qtensor  # noqa: E402
+from pallas_kernels import gemv_int8, qcommon, qmatmul_triton  # noqa: E402
 from pallas_kernels import qmatmul as qm  # noqa: E402
+from pallas_kernels.tiles import dot_tile  # noqa: E402
 
 # (fmt, N, K, M): the 27B's largest Q4_K, Q5_K and Q6_K matrices at one token and at a 23-node tree's 32-row tile
 CASES = [f"{fmt}:{n}:{k}:{m}" for fmt, n, k in (("Q4_K", 17408, 5120), ("Q5_K", 10240, 5120), ("Q6_K", 5120, 17408))
          for m in (1, 23)]
-# M = 1: the float GEMV (int8_x=0) as first shipped (jnp dequantization, no loads ahead), with inline PTX, with loads
-# 1 and 2 steps ahead; the int8-activation GEMV with x quantized before the kernel (int8_x=1; 512 and 1024 columns a
-# step, 8 rows) and inside it (int8_x=2; 8, 16 (the default since 2026-11-25) and 32 rows a program). M = 23: the
-# tensor-core kernel's defaults, loads ahead, and the inline PTX off; the int8 tensor-core kernel (int8_mma, Q4_K only)
-# at 64 and 128 rows, and with loads one super-block ahead; the weight rows first in the products (wgmma)
-VARIANTS = ["m=1,int8_x=0,asm=0,prefetch=0", "m=1,int8_x=0,asm=1,prefetch=0", "m=1,int8_x=0,asm=1,prefetch=1",
-            "m=1,int8_x=0,asm=1,prefetch=2", "m=1,int8_x=1,block_n=8,columns=512,prefetch=0",
-            "m=1,int8_x=1,block_n=8,prefetch=0", "m=1,int8_x=1,block_n=8,prefetch=1", "m=1,int8_x=2,block_n=8,prefetch=0",
-            "m=1,int8_x=2,block_n=16,prefetch=0", "m=1,int8_x=2,block_n=32,prefetch=0",
-            "m=23,prefetch=0", "m=23,prefetch=1", "m=23,prefetch=2", "m=23,asm=0", "m=23,int8_mma=1",
-            "m=23,int8_mma=1,block_n=128", "m=23,int8_mma=1,prefetch=1", "m=23,wgmma=1",
-            "m=23,wgmma=1,block_n=128,columns=256"]
+# the default tiles of each case, then narrower and wider row tiles (qmatmul's tuning arguments; m=M: at M tokens only)
+VARIANTS = ["", "m=1,block_n=8", "m=1,block_n=32", "m=23,block_n=32", "m=23,num_stages=3"]
 REGISTERS_PER_SM, SHARED_PER_SM = 65536, 228 * 1024
+
+
+def _mlir_bytes(text: str) -> bytes:
+    """An MLIR string attribute's characters as bytes: `\\XX` hex escapes, `\\\\` and `\\"`."""
+    out, i = bytearray(), 0
+    while i < len(text):
+        if text[i] != "\\":
+            out += text[i].encode()
+            i += 1
+        elif text[i + 1] in '\\"':
+            out.append(ord(text[i + 1]))
+            i += 2
+        else:
+            out.append(int(text[i + 1:i + 3], 16))
+            i += 3
+    return bytes(out)
 
 
 def lowered_triton(run, *args) -> tuple[str, int, int]:
     """(Triton IR in MLIR's generic form, num_warps, num_stages) of the last Pallas kernel in jitted `run` on args,
-    lowered for CUDA without a GPU."""
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    modules, lower = [], registration.lowering.lower_jaxpr_to_triton_module
-
-    def keep(*a, **kw):
-        result = lower(*a, **kw)
-        modules.append(result.module)
-        return result
-
-    registration.lowering.lower_jaxpr_to_triton_module = keep
-    try:
-        hlo = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
-    warps, stages = (int(re.search(rf"{key} = (\d+)", hlo).group(1)) for key in ("num_warps", "num_stages"))
-    return modules[-1].operation.get_asm(print_generic_op_form=True), warps, stages
+    lowered for CUDA without a GPU: the custom call's `ir` (MLIR bytecode) read with jaxlib's Triton dialect."""
+    hlo = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    # each Triton call's config: ..., ir = "<bytecode>", name = "...", num_stages = S : i32, num_warps = W : i32}
+    *_, call = re.finditer(r'ir = "((?:[^"\\]|\\.)*)", name = "[^"]*", num_stages = (\d+) : i32, '
+                           r'num_warps = (\d+) : i32\}', hlo)
+    context = ir.Context()
+    jaxlib_triton.dialect.register_dialect(context)
+    with context:
+        module = ir.Module.parse(_mlir_bytes(call.group(1)))
+    return module.operation.get_asm(print_generic_op_form=True), int(call.group(3)), int(call.group(2))
 
 
 def triton_ir(fmt: str, n: int, k: int, m: int, opts: dict) -> tuple[str, int, int]:
     """(Triton IR in MLIR's generic form, num_warps, num_stages) of qmatmul's kernel for these shapes and options."""
-    pw = qm.pack(random_qtensor(jax.random.key(0), fmt, (n, k)))
+    qt = random_qtensor(jax.random.key(0), fmt, (n, k))
+    pw = qm.pack(qt.fmt, qt.shape, qt.data)
     run = jax.jit(lambda x, w: qm.qmatmul(x, w, **opts))  # the defaults of a GPU (interpret=False)
     return lowered_triton(run, jnp.ones((m, k), jnp.bfloat16), pw)
+
+
+def kernel_tiles(fmt: str, n: int, m: int, opts: dict) -> tuple[str, int, int]:
+    """(kernel, rows of W a program, columns a K step) that qmatmul runs for a Triton-layout weight and M tokens."""
+    if m == 1 and fmt in gemv_int8.FORMATS:
+        kernel, (bn, cols, _) = "gemv8", gemv_int8.TILES
+    elif m == 1:
+        kernel, (bn, cols, _) = "gemv", qmatmul_triton.GEMV_TILES
+    else:
+        kernel, (bn, cols, _) = "mma", qmatmul_triton.default_tiles(dot_tile(m), n, fmt)
+    return kernel, opts.get("block_n") or bn, opts.get("columns") or cols
 
 
 def triton_tools() -> Path:
@@ -127,19 +144,14 @@ def loops(sass: str) -> list[list[str]]:
 
 def analyse(fmt: str, n: int, k: int, m: int, opts: dict) -> dict:
     """The compiled kernel's resources and its K loop's instruction mix (see the module docstring)."""
-    gemv = opts.get("gemv", m == 1)
-    bn, columns, _ = qm.kernel_tiles(m, n, fmt, gemv, opts.get("block_n"), opts.get("columns"),
-                                     int8_x=opts.get("int8_x", qm.INT8_X))
+    kernel, bn, columns = kernel_tiles(fmt, n, m, opts)
     ir_text, warps, stages = triton_ir(fmt, n, k, m, opts)
     ttgir, sass, usage, shared = compile_sm90(ir_text, warps, stages)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     spills = int(re.search(r"STACK:(\d+)", usage).group(1)) + int(re.search(r"LOCAL:(\d+)", usage).group(1))
     threads = 32 * warps
     body = max(loops(sass), key=len)
-    weights = bn * qm.units_per_step(fmt, k, columns) * qm.unit(fmt, k) / threads
-    kernel = "gemv" if gemv else "mma"
-    if opts.get("int8_mma") and not gemv and fmt in qm.INT8_MMA_FORMATS:  # mma_int8.py: one super-block a step
-        kernel, weights = "mma8", (opts.get("block_n") or qm.MMA_INT8_TILES[0]) * qm.QK_K / threads
+    weights = bn * qcommon.units_per_step(fmt, k, columns) * qcommon.unit(fmt) / threads
     return dict(fmt=fmt, n=n, k=k, m=m, opts=opts, kernel=kernel, warps=warps, stages=stages,
                 registers=regs, shared=shared, spills=spills,
                 programs_by_registers=REGISTERS_PER_SM // (-(-regs // 8) * 8 * threads),

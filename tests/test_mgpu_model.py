@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, load_draft_config, load_target_config
-from dflash_jax.models.target import init_state
+from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, KernelConfig, load_draft_config, load_target_config
 from dflash_jax.engine.generate import Engine, EngineConfig
 from dflash_jax.engine.step import DFlashDrafter, step_tree
 from dflash_jax.models import target as T
+from dflash_jax.models.target import init_state
 from dflash_jax.testing import synthetic
 from dflash_jax.testing.oracle import OracleDrafter, oracle_logits
 from pallas_kernels import qmatmul as qm
@@ -25,6 +25,8 @@ pytestmark = pytest.mark.gpu
 CFG = dataclasses.replace(load_target_config(synthetic.TARGET_27B), num_layers=4,
                           layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,))
 FORMATS = ("Q4_K", "Q6_K")
+MOSAIC = KernelConfig(impl="pallas", mgpu="only")  # as `generate` resolves a tree on Hopper
+TRITON = KernelConfig(impl="pallas")
 
 
 def rel(a, b):
@@ -33,14 +35,8 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def targets():
-    """(Mosaic, Triton) targets over the same random weights."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(qm, "MGPU_FORMATS", FORMATS)
-        mp.setattr(qm, "MGPU_LAYOUT", "only")
-        mosaic = synthetic.synthetic_target(CFG, impl="pallas")
-        mp.setattr(qm, "MGPU_LAYOUT", False)
-        triton = synthetic.synthetic_target(CFG, impl="pallas")
-    return mosaic.params, triton.params
+    """(Mosaic, Triton) targets' parameters over the same random weights."""
+    return tuple(synthetic.synthetic_target(CFG, kcfg=kcfg).params for kcfg in (MOSAIC, TRITON))
 
 
 def _weights(params):
@@ -59,7 +55,7 @@ def test_every_matrix_on_its_kernel(targets, m):
     for name, w in weights:
         if w.mgpu_only:
             x = jax.random.normal(jax.random.key(m), (m, w.shape[1]), jnp.float32)
-            err = rel(qm.qmatmul(x, w), qm.mgpu_module(w.fmt).reference(x, w.mgpu))
+            err = rel(qm.qmatmul(x, w), qm.MGPU_MODULES[w.fmt].reference(x, w.mgpu))
             if not err < 1e-4:
                 bad.append(f"{name} {w.fmt} {w.shape}: {err:.2e}")
     assert not bad, bad
@@ -71,13 +67,13 @@ def test_prefill_and_tree_verify(targets):
     prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, 64), jnp.int32)
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, 23), jnp.int32)
     parents = jnp.asarray([-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, 23)], jnp.int32)
-    prefill = jax.jit(T.prefill_chunk, static_argnums=(1,), static_argnames=("all_logits", "impl"))
+    prefill = jax.jit(T.prefill_chunk, static_argnums=(1,), static_argnames=("all_logits", "kcfg"))
     verify = jax.jit(T.verify, static_argnums=(1, 5, 6))
     out = []
-    for params in targets:
+    for params, kcfg in zip(targets, (MOSAIC, TRITON)):
         logits, _, state = prefill(params, CFG, init_state(CFG, 128), prompt, jnp.int32(64), all_logits=True,
-                                   impl="pallas")
-        tree_logits = verify(params, CFG, state, tokens, parents, (), "pallas")[0]
+                                   kcfg=kcfg)
+        tree_logits = verify(params, CFG, state, tokens, parents, (), kcfg)[0]
         out.append((logits, tree_logits))
     (prefill_m, verify_m), (prefill_t, verify_t) = out
     for got, want in ((prefill_m, prefill_t), (verify_m, verify_t)):
@@ -88,8 +84,8 @@ def test_prefill_and_tree_verify(targets):
 def test_drafter_proposals_through_the_head(targets):
     """The drafter's logits for a DDTree's 15 depths, read out through the target's Q6_K head on each kernel."""
     cfg = dataclasses.replace(load_draft_config(synthetic.DRAFT_27B), num_layers=1, layer_types=(FULL_ATTENTION,))
-    drafter = DFlashDrafter(cfg, "pallas")
-    params = synthetic.synthetic_draft(cfg, impl="pallas").params
+    drafter = DFlashDrafter(cfg, TRITON)  # its bf16 matrices on XLA: the same product under either target's layout
+    params = synthetic.synthetic_draft(cfg, kcfg=TRITON).params
     taps = jax.random.normal(jax.random.key(1), (64, len(cfg.target_layer_ids), cfg.hidden_size), jnp.float32)
     state = jax.jit(drafter.extend)(params, drafter.init_state(128, jnp.float32), taps, jnp.int32(64))
     propose = jax.jit(drafter.propose, static_argnums=(5,))
@@ -105,13 +101,13 @@ def test_ddtree_accepts_the_ar_continuation(targets, kernels):
     each tree's path accepted (a verify row disagreeing with the committed decode would accept its root alone). The
     random weights' logits are nearly tied, so AR's one-token kernel (x in int8) and the verify's tiles may part ways
     later: on an H100 the Triton tiles did at token 13 of one draw."""
-    params = targets[kernels == "triton"]
+    params, kcfg = targets[kernels == "triton"], (MOSAIC, TRITON)[kernels == "triton"]
     ids = np.random.default_rng(1).integers(0, CFG.vocab_size, 40)
-    greedy = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=160), impl="pallas").generate(ids, 48).tokens
+    greedy = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=160), kcfg=kcfg).generate(ids, 48).tokens
     sequence = np.zeros(160, np.int32)
     sequence[:len(ids) + len(greedy)] = np.concatenate([ids, greedy])
     tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=22, max_ctx=160),
-                  OracleDrafter(16, CFG.vocab_size, 0.0, seed=1), {"sequence": jnp.asarray(sequence)}, impl="pallas")
+                  OracleDrafter(16, CFG.vocab_size, 0.0, seed=1), {"sequence": jnp.asarray(sequence)}, kcfg=kcfg)
     gen = tree.generate(ids, 48)
     assert gen.tokens[:8] == greedy[:8] and gen.mean_accept_length > 4, (gen.tokens, greedy,
                                                                             gen.mean_accept_length)

@@ -1,6 +1,8 @@
 """qmatmul: the packed layout exact against the GGUF dequantizers, each route's kernel (interpret mode on CPU,
 compiled with -m gpu) against its reference (`qmatmul_reference`), and the model under impl="pallas"."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,12 +10,14 @@ import pytest
 
 from conftest import TINY
 from dflash_jax import kernels, quant
+from dflash_jax.config import KernelConfig
+from dflash_jax.defaults import device_class
 from dflash_jax.engine.prefill import prefill_chunks
-from dflash_jax.models.target import init_state
 from dflash_jax.load import load_target
+from dflash_jax.models.target import init_state
 from dflash_jax.testing.random_weights import random_qtensor
 from dflash_jax.testing.synthetic import random_matrix
-from pallas_kernels import gemv_int8, qcommon, qmatmul_mgpu, qmatmul_triton, tile_ptx
+from pallas_kernels import gemv_int8, qcommon, qmatmul_triton, tile_ptx
 from pallas_kernels import qmatmul as qm
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -23,6 +27,7 @@ SAME = 1e-4 if ON_GPU else 1e-5
 BF16_TILES = 4e-3  # f32 tiles round each weight to bf16 and x too: their distance from the float32 product
 F16_TILES = 1e-3  # f16x2 tiles: float16 weights and x, about 6x closer (3e-4 measured on 256 x 1024)
 INT8_X = 3e-2  # x quantized to int8 per weight group: about 0.5 % of a product, more on few outputs
+PALLAS = KernelConfig(impl="pallas", interpret=True)  # the model's kernel switch with the kernels in interpret mode
 
 
 def rel(a, b):
@@ -204,31 +209,32 @@ def test_bad_inputs_raise():
         packed(weight("Q4_K", 64, 256), mgpu="both")
     with pytest.raises(ValueError, match="one row of x"):
         qmatmul_triton.gemv(jnp.ones((1, 256)), packed(weight("Q4_K", 16, 256)), interpret=True)
-    with pytest.raises(ValueError, match="impl"):
-        kernels.resolve_impl("triton")
 
 
 def test_linear_splits_long_inputs_and_keeps_leading_axes():
     qt = weight("Q6_K", 24, 256)
     pw = packed(qt)
     x = jax.random.normal(jax.random.key(5), (2, 35, 256), jnp.float32)  # 70 rows: two calls of <= 64
-    got = kernels.linear(x, pw)
+    got = kernels.linear(x, pw, PALLAS)
     assert got.shape == (2, 35, 24)
-    assert rel(got, kernels.linear(x, qt)) < F16_TILES
-    assert kernels.prepare_matrix(qt, "reference") is qt
+    assert rel(got, kernels.linear(x, qt, PALLAS)) < F16_TILES
+    assert kernels.prepare_matrix(qt, kernels.REFERENCE) is qt
 
 
 def test_matrices_below_a_row_tile_stay_with_xla():
-    """With `pallas`, a quantized matrix of fewer than SMALL_ROWS rows is dequantized to float32 at load (XLA's
-    product), one of SMALL_ROWS or more packed for the kernels; `linear` gives the reference product either way."""
-    small, large = weight("Q4_K", kernels.SMALL_ROWS - 16, 256), weight("Q4_K", kernels.SMALL_ROWS, 256)
-    dense = kernels.prepare_matrix(small, "pallas")
+    """With `pallas`, a quantized matrix of fewer than `small_rows` rows is dequantized to float32 at load (XLA's
+    product), one of `small_rows` or more packed for the kernels (in the Mosaic GPU layout too where the
+    configuration asks for it); `linear` gives the reference product for the small one."""
+    rows = PALLAS.small_rows
+    small, large = weight("Q4_K", rows - 16, 256), weight("Q4_K", rows, 256)
+    dense = kernels.prepare_matrix(small, PALLAS)
     assert isinstance(dense, jax.Array) and dense.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(dense), np.asarray(quant.dequantize(small)))
-    assert isinstance(kernels.prepare_matrix(large, "pallas"), qm.PackedWeight)
+    assert isinstance(kernels.prepare_matrix(large, PALLAS), qm.PackedWeight)
+    assert isinstance(kernels.prepare_matrix(small, dataclasses.replace(PALLAS, small_rows=0)), qm.PackedWeight)
     x = jax.random.normal(jax.random.key(6), (5, 256), jnp.float32)
-    np.testing.assert_allclose(np.asarray(kernels.linear(x, dense)), np.asarray(kernels.linear(x, small)),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(kernels.linear(x, dense, PALLAS)),
+                               np.asarray(kernels.linear(x, small, PALLAS)), rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,21 +282,23 @@ def test_tuned_tiles_at_27b_shapes(fmt, n, k):
         assert rel(qm.qmatmul(x, pw, **opts), qm.qmatmul_reference(x, pw)) < SAME, (m, opts)
 
 
-@pytest.mark.parametrize("mgpu_layout", [False, pytest.param(True, marks=pytest.mark.gpu),
-                                         pytest.param("only", marks=pytest.mark.gpu)])
-def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path, mgpu_layout):
-    """The whole tiny model through the kernel (interpret mode on CPU: 15-25 s) against HF's float32 logits; on a
-    Hopper GPU also with the Mosaic GPU kernel's layout beside the Q4_K weights' (True) or alone ("only")."""
-    if mgpu_layout and not qmatmul_mgpu.available():
-        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
-    model = load_target(tiny_gguf_path, progress=False, impl="pallas")
+@pytest.mark.parametrize("mgpu", ["off", pytest.param("beside", marks=pytest.mark.gpu),
+                                  pytest.param("only", marks=pytest.mark.gpu)])
+def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path, mgpu):
+    """The whole tiny model through the kernels (interpret mode on CPU: 15-25 s) against HF's float32 logits; on a
+    Hopper GPU also with the Mosaic GPU kernels' layout beside the Q4_K/Q6_K weights' or alone."""
+    if mgpu != "off" and device_class() != "hopper":
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    kcfg = KernelConfig(impl="pallas", interpret=device_class() == "cpu", mgpu=mgpu)
+    model = load_target(tiny_gguf_path, progress=False, kcfg=kcfg)
     packed = [x for x in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, qm.PackedWeight))
               if isinstance(x, qm.PackedWeight)]
-    assert packed and any(p.mgpu is not None for p in packed) == bool(mgpu_layout)
+    assert packed and any(p.mgpu is not None for p in packed) == (mgpu != "off")
+    assert all(p.mgpu_only for p in packed if p.mgpu is not None) == (mgpu == "only")
     refs = np.load(TINY / "ref.npz")
     ids = np.load(TINY / "tokens.npy")
     logits = np.concatenate([np.asarray(lg) for _, lg, _, _ in prefill_chunks(
-        model.params, model.config, init_state(model.config, 160), ids, all_logits=True, impl=model.impl)])
+        model.params, model.config, init_state(model.config, 160), ids, all_logits=True, kcfg=model.kcfg)])
     # float16 x and tiles (f16x2, the Q4_K/Q6_K default) and bf16 elsewhere against a float32 reference: 3.2e-3
     # measured, 1.0e-2 with the float32-then-bf16 tiles (scripts/results/tile_math_accuracy_cpu.txt)
     assert rel(logits, refs["hf_q_logits"]) < 8e-3
