@@ -37,7 +37,7 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--fixtures", default=str(ROOT.parent / "shared" / "fixtures" / "tiny-qwen35"))
+    ap.add_argument("--fixtures", default=str(ROOT / "tests" / "fixtures" / "tiny-qwen35"))
     args = ap.parse_args()
     fx = Path(args.fixtures)
     refs, ids = np.load(fx / "ref.npz"), np.load(fx / "tokens.npy")

@@ -13,13 +13,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
+import openai
 import pytest
+import uvicorn
 
 from conftest import ROOT, TINY
-
-anthropic = pytest.importorskip("anthropic", reason="the test extra installs the anthropic client")
-openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
-uvicorn = pytest.importorskip("uvicorn", reason="the server extra installs uvicorn")
 
 MAX_CTX = 256
 MAX_QUEUE = 20
