@@ -10,15 +10,12 @@ import numpy as np
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.engine.state import TargetState
+from dflash_jax.errors import InputError
 from dflash_jax.models import target
 
 DEFAULT_CHUNK = 64  # the chunked gated delta rule's chunk: one compilation covers every prompt length
 
 _prefill_chunk = jax.jit(target.prefill_chunk, static_argnums=(1, 5, 6), static_argnames=("impl",))
-
-
-class InputError(ValueError):
-    """Tokens the model cannot take: ids outside the vocabulary, or more than the cache has room for."""
 
 
 def check_tokens(cfg: TargetConfig, ids: np.ndarray | list[int]) -> np.ndarray:
