@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, Sequence
 
-from dflash_jax.engine.prefill import InputError
-from dflash_jax.generate import define_model_flags, engine_from_flags, parse_flags, run_main
+from dflash_jax.errors import InputError, run_main
+from dflash_jax.generate import define_model_flags, engine_from_flags, parse_flags
 from dflash_jax.tokenizer import Tokenizer
 
 PROMPT = ">>> "

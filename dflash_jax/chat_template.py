@@ -13,6 +13,8 @@ import functools
 import json
 from typing import Any, Mapping, Sequence
 
+from dflash_jax.errors import InputError
+
 CHATML = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -23,7 +25,7 @@ CHATML = (
 )
 
 
-class TemplateError(ValueError):
+class TemplateError(InputError):
     """A chat template that does not parse or that rejects the messages."""
 
 

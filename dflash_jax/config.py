@@ -12,12 +12,14 @@ import json
 import os
 from typing import Any, Mapping
 
+from dflash_jax.errors import InputError
+
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config file or dict that does not describe a supported model."""
 
 

@@ -8,7 +8,8 @@ tokenization. Generation stops at the end-of-sequence token, `<|im_end|>` or `<|
 tokens. `--profile DIR` writes a jax.profiler trace of `--profile_steps` decode steps (after the first, which
 compiles) into DIR; `--compile_report` prints the compile seconds of each jitted function to stderr. Bad input
 (missing files, a model of another architecture, a drafter that does not fit, a prompt too long for `--max_ctx`,
-invalid flag values) ends with a one-line error on stderr and exit code 2.
+invalid flag values) ends with a one-line error on stderr and exit code 2; any other error is a bug, reported with its
+traceback and exit code 1.
 """
 
 from __future__ import annotations
@@ -19,19 +20,19 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 from dflash_jax import assets
 from dflash_jax.config import KV_DTYPES, EngineConfig, KernelConfig
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, resolve_engine, resolve_kernels
+from dflash_jax.errors import USAGE_ERROR, InputError, run_main
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, load_tokenizer
 
 CTX_ROUND = 256  # --max_ctx 0 fits prompt + n_gen, rounded up to this (fewer distinct cache shapes to compile)
-USAGE_ERROR = 2
 
 
-class UsageError(ValueError):
+class UsageError(InputError):
     """Bad flags or input: reported as one line on stderr with exit code 2."""
 
 
@@ -243,23 +244,6 @@ def engine_from_flags(argv: Sequence[str]):
         raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
     models = load_models(target_path, draft_path, f.mode, kcfg)
     return Engine.from_loaded(models.target, models.draft, ecfg), models, target_path
-
-
-def run_main(command: str, run_command: Callable[[Sequence[str]], int], argv: Sequence[str]) -> None:
-    """Run a command and exit with its code; bad input is one line on stderr and exit code 2.
-
-    Every input error of the package is a ValueError (LoadError, GGUFError, TokenizerError, TemplateError,
-    InputError, ConfigError, UsageError, and quant.Unsupported for a tensor type or conversion the package does
-    not implement); OSError covers unreadable files."""
-    try:
-        code = run_command(argv)
-    except KeyboardInterrupt:
-        print(f"\n{command}: interrupted", file=sys.stderr)
-        code = 130
-    except (OSError, ValueError) as e:
-        print(f"{command}: {e}", file=sys.stderr)
-        code = USAGE_ERROR
-    sys.exit(code)
 
 
 def main(argv: Sequence[str]) -> None:

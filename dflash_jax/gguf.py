@@ -18,11 +18,12 @@ from gguf import GGUFValueType as VT
 
 from dflash_jax import quant
 from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, TargetConfig, rope_sections
+from dflash_jax.errors import InputError
 
 ARCH = "qwen35"
 
 
-class GGUFError(ValueError):
+class GGUFError(InputError):
     """A GGUF file that cannot be used: unreadable, truncated, another architecture, or not matching its config."""
 
 

@@ -7,12 +7,12 @@ be used prints one line saying why and exits with status 2.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections import defaultdict
 
 from absl import app, flags
 
-from dflash_jax.gguf import GGUFError, GGUFModel
+from dflash_jax.errors import run_main
+from dflash_jax.gguf import GGUFModel
 
 _TENSORS = flags.DEFINE_boolean("tensors", True, "Print the per-tensor table.")
 _METADATA = flags.DEFINE_boolean("metadata", False, "Also print every metadata key (long arrays summarised).")
@@ -67,15 +67,16 @@ def report(model: GGUFModel) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
+def run(argv: list[str]) -> int:
+    """The command; returns its exit code."""
     if len(argv) != 2:
         raise app.UsageError("usage: python -m dflash_jax.inspect FILE.gguf [--notensors] [--metadata]", exitcode=2)
-    try:
-        model = GGUFModel(argv[1])
-    except GGUFError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(report(model))
+    print(report(GGUFModel(argv[1])))
+    return 0
+
+
+def main(argv: list[str]) -> None:
+    run_main("inspect", run, argv)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from dflash_jax.config import (ConfigError, DraftConfig, KernelConfig, TargetConfig, draft_config_from_hf, read_json,
                                target_config_from_hf)
+from dflash_jax.errors import InputError
 from dflash_jax.gguf import GGUFModel, tensor_specs
 from dflash_jax.kernels import REFERENCE, prepare_matrices, prepare_matrix
 from dflash_jax.models.draft import check_pair
@@ -39,7 +40,7 @@ _DENSE_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float1
 _SKIPPED_HF = ("mtp.", "model.visual.", "visual.")  # the MTP head and the vision tower are not run
 
 
-class LoadError(ValueError):
+class LoadError(InputError):
     """A model path that cannot be loaded: missing, of another architecture, or without usable weights."""
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 
+from dflash_jax.errors import InputError
 
-class PromptSetError(ValueError):
+
+class PromptSetError(InputError):
     """A prompt set that cannot be read."""
 
 

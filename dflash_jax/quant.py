@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 from gguf import GGMLQuantizationType as GT
 
+from dflash_jax.errors import InputError
 from pallas_kernels.ggml import QK_K, k_scale_min, nibbles, q6_k_quants
 
 
@@ -60,9 +61,9 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
 SUPPORTED_TYPES = frozenset(f.ggml_type for f in FORMATS.values())
 
 
-class Unsupported(NotImplementedError, ValueError):
+class Unsupported(NotImplementedError, InputError):
     """Input that is valid but beyond what the package implements (a tensor type, a conversion): a
-    NotImplementedError by nature, and a ValueError so that the commands report it as bad input, like the rest."""
+    NotImplementedError by nature, and an InputError so that the commands report it as bad input, like the rest."""
 
 
 def block_format(ggml_type: GT | int) -> BlockFormat:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import time
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 
 from dflash_jax.config import KV_DTYPES
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
+from dflash_jax.errors import InputError, run_main
 from dflash_jax.load import Target
 from dflash_jax.models.target import init_state
 
@@ -37,16 +37,19 @@ def read_ids(spec: str, flag: str = "--ids") -> np.ndarray:
     if spec.endswith(".npy"):
         if not os.path.exists(spec):
             raise FileNotFoundError(f"{flag} {spec}: no such file")
-        arr = np.load(spec)
+        try:
+            arr = np.load(spec)
+        except ValueError as e:  # not an .npy array (numpy refuses pickles and unknown headers this way)
+            raise InputError(f"{flag} {spec}: not a .npy array of token ids ({e})") from None
         if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"{flag} {spec}: expected integer token ids, found {arr.dtype}")
+            raise InputError(f"{flag} {spec}: expected integer token ids, found {arr.dtype}")
         return arr.reshape(-1)
     try:
         ids = np.array([int(t) for t in spec.split(",") if t.strip()], dtype=np.int64)
     except ValueError:
-        raise ValueError(f"{flag} {spec!r}: expected a .npy file or comma-separated integers") from None
+        raise InputError(f"{flag} {spec!r}: expected a .npy file or comma-separated integers") from None
     if not ids.size:
-        raise ValueError(f"{flag} is empty")
+        raise InputError(f"{flag} is empty")
     return ids
 
 
@@ -68,7 +71,7 @@ def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_dtyp
 
 
 def main(argv: list[str]) -> int:
-    from absl import app, flags, logging
+    from absl import flags, logging
 
     from dflash_jax.defaults import resolve_engine, resolve_kernels
     from dflash_jax.load import load_target
@@ -77,21 +80,17 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        raise InputError(f"unexpected arguments: {' '.join(argv[1:])}")
     if (f.ids is None) == (f.text is None):
-        raise app.UsageError("pass the tokens to score with --ids IDS.npy (or a comma-separated list) or --text")
-    try:
-        ids = read_ids(f.ids) if f.ids is not None else np.asarray(load_tokenizer(f.target).encode(f.text))
-        kv_dtype = resolve_engine(kv_dtype=f.kv_dtype).kv_dtype
-        t0 = time.perf_counter()
-        # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
-        model = load_target(f.target, kcfg=resolve_kernels("ddtree"))
-        t1 = time.perf_counter()
-        result = score(model, ids, chunk=f.chunk, kv_dtype=kv_dtype)
-        t2 = time.perf_counter()
-    except (OSError, ValueError) as e:  # input errors, quant.Unsupported (a tensor type we cannot decode) included
-        print(f"score: {e}", file=sys.stderr)
-        return 2
+        raise InputError("pass the tokens to score with --ids IDS.npy (or a comma-separated list) or --text")
+    ids = read_ids(f.ids) if f.ids is not None else np.asarray(load_tokenizer(f.target).encode(f.text))
+    kv_dtype = resolve_engine(kv_dtype=f.kv_dtype).kv_dtype
+    t0 = time.perf_counter()
+    # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
+    model = load_target(f.target, kcfg=resolve_kernels("ddtree"))
+    t1 = time.perf_counter()
+    result = score(model, ids, chunk=f.chunk, kv_dtype=kv_dtype)
+    t2 = time.perf_counter()
     if f.out:
         np.save(f.out, result.logits)
     print(f"{result.tokens} tokens, {result.tokens - 1} predicted: mean log-likelihood "
@@ -113,4 +112,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).")
     flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV cache dtype (default: bfloat16 on a GPU, float32 on a "
                       "CPU).")
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: run_main("score", main, argv))

@@ -15,7 +15,8 @@ import os
 import sys
 from typing import Sequence
 
-from dflash_jax.generate import UsageError, define_model_flags, engine_from_flags, parse_flags, run_main
+from dflash_jax.errors import run_main
+from dflash_jax.generate import UsageError, define_model_flags, engine_from_flags, parse_flags
 
 
 def _log(line: str) -> None:

@@ -13,6 +13,8 @@ import functools
 import os
 from typing import Any, Callable, Sequence
 
+from dflash_jax.errors import InputError
+
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp): contractions, letters (with combining marks for qwen35)
 # after one optional non-letter, single digits, punctuation runs with trailing newlines, newline runs, whitespace.
 PRE_TOKENIZERS = {
@@ -26,7 +28,7 @@ CONTROL, USER_DEFINED = 3, 4
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer that cannot be built from the given files."""
 
 

@@ -18,7 +18,8 @@ import sys
 import time
 from typing import Sequence
 
-from dflash_jax.generate import UsageError, enable_jit_cache, parse_flags, run_main
+from dflash_jax.errors import run_main
+from dflash_jax.generate import UsageError, enable_jit_cache, parse_flags
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's slot-weight decay per block size (specs/dflash_training.md §3.1)
 

@@ -14,11 +14,12 @@ from typing import Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.errors import InputError
 from dflash_jax.gguf import tensor_specs
 from dflash_jax.quant import Unsupported
 
 
-class WeightsError(ValueError):
+class WeightsError(InputError):
     """HF weights that do not match their config: a missing, unexpected or misshapen tensor."""
 
 

@@ -15,10 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must not look for h
 jax.config.update("jax_default_prng_impl", "unsafe_rbg")
 
 ROOT = Path(__file__).resolve().parents[1]
-# The reference fixtures live in ../shared/fixtures beside the checkout; a GPU run carries a copy in .fixtures/.
-FIXTURES = Path(os.environ.get("DFLASH_FIXTURES", ROOT.parent / "shared" / "fixtures"))
-if not FIXTURES.exists() and (ROOT / ".fixtures").exists():
-    FIXTURES = ROOT / ".fixtures"
+FIXTURES = ROOT / "tests" / "fixtures"  # the reference data, committed (tests/fixtures/README.md)
 TINY = FIXTURES / "tiny-qwen35"
 TINY_GGUF = TINY / "model-q4_k_m.gguf"
 
@@ -35,16 +32,27 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
+NO_GPU = "needs a CUDA GPU (run `pytest -m gpu` on the device)"
+
+
 def pytest_collection_modifyitems(config, items):
     if jax.default_backend() == "gpu":
         # The references are float32 oracles checked to 1e-4: GPUs default to TF32 matmuls, which alone move the
         # fixture's logits by ~1e-3 (seen on an H100, jax 0.11.2), so tests ask for full float32 products.
         jax.config.update("jax_default_matmul_precision", "highest")
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the device)")
+    skip = pytest.mark.skip(reason=NO_GPU)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Under xdist the workers mark the items; their reports reach the controller, which counts them here.
+    n = sum(1 for r in terminalreporter.stats.get("skipped", []) if NO_GPU in str(r.longrepr))
+    if n:
+        terminalreporter.write_line(f"{n} GPU tests skipped: no CUDA GPU here (run `python -m pytest -m gpu` on a GPU "
+                                    "machine)")
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +63,5 @@ def jit_cache() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_gguf_path() -> Path:
-    if not TINY_GGUF.exists():
-        pytest.skip(f"reference fixture {TINY_GGUF} is not present")
+    """The tiny Qwen3.5 target of the fixtures."""
     return TINY_GGUF

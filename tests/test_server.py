@@ -1,6 +1,7 @@
 """The server as clients use it: the `openai` and `anthropic` packages against a server on 127.0.0.1 over the
 fixture pair, streaming and not, greedy-identical to the engine; bad requests get 4xx and the server keeps serving;
-20 concurrent clients; a full queue gives 429; a client that goes away mid-request stops its generation."""
+internal errors get a 500 (or an error event) naming only a request id, their traceback logged under it; 20
+concurrent clients; a full queue gives 429; a client that goes away mid-request stops its generation."""
 
 import http.client
 import json
@@ -11,31 +12,56 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
+import openai
 import pytest
+import uvicorn
 
 from conftest import ROOT, TINY
-
-anthropic = pytest.importorskip("anthropic", reason="the test extra installs the anthropic client")
-openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
-uvicorn = pytest.importorskip("uvicorn", reason="the server extra installs uvicorn")
+from dflash_jax.errors import InputError
 
 MAX_CTX = 256
 MAX_QUEUE = 20
 
 
 class GatedEngine:
-    """The server's engine behind a gate the test can close, to hold the worker inside a request."""
+    """The server's engine behind a gate the test can close, to hold the worker inside a request; a `fault` the test
+    sets is raised in the next request, after its first tokens went out."""
 
     def __init__(self, engine):
         self.engine, self.open, self.entered = engine, threading.Event(), threading.Event()
         self.open.set()
+        self.fault = None
 
-    def generate(self, *args, **kwargs):
+    def generate(self, ids, n_gen, stop_ids, on_tokens, **kwargs):
         self.entered.set()
         self.open.wait()
-        return self.engine.generate(*args, **kwargs)
+        fault, self.fault = self.fault, None
+
+        def failing(new):
+            on_tokens(new)
+            raise fault
+
+        return self.engine.generate(ids, n_gen, stop_ids, on_tokens if fault is None else failing, **kwargs)
+
+
+class FaultyTokenizer:
+    """The tokenizer requests are parsed with; a `fault` the test sets is raised by the next encode."""
+
+    def __init__(self, tok):
+        self.tok, self.fault = tok, None
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text):
+        fault, self.fault = self.fault, None
+        if fault is not None:
+            raise fault
+        return self.tok.encode(text)
 
 
 class Server:
@@ -54,7 +80,8 @@ class Server:
         self.engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX))
         self.gated, self.logs = GatedEngine(self.engine), []
         self.worker = Worker(self.gated, self.tok, MAX_QUEUE, log=self.logs.append)
-        self.settings = Settings(self.tok, "tiny", MAX_CTX, target.config.vocab_size)
+        self.parsing = FaultyTokenizer(self.tok)
+        self.settings = Settings(self.parsing, "tiny", MAX_CTX, target.config.vocab_size)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -86,15 +113,20 @@ class Server:
             self._expected[key] = (self.tok.decode(gen.tokens, skip_stops=True), gen.tokens)
         return self._expected[key]
 
-    def post(self, path, body, headers=None):
-        """(status, parsed JSON) of a raw POST; body may be bytes (sent as is)."""
+    def send(self, path, body, headers=None):
+        """(status, headers, body text) of a raw POST; body may be bytes (sent as is)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
-        out = resp.status, json.loads(resp.read())
+        out = resp.status, resp.headers, resp.read().decode()
         conn.close()
         return out
+
+    def post(self, path, body, headers=None):
+        """(status, parsed JSON) of a raw POST; body may be bytes (sent as is)."""
+        status, _, text = self.send(path, body, headers)
+        return status, json.loads(text)
 
     def wait_log(self, pattern, timeout=60.0):
         deadline = time.monotonic() + timeout
@@ -257,6 +289,87 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, oai, claude):
     assert oai.chat.completions.create(model="tiny", messages=USER, max_tokens=16).choices[0].message.content == \
         server.expect(server.chat_ids(USER), 16)[0]
     assert [m.id for m in oai.models.list()] == ["tiny"]
+
+
+SECRET = "the text of an internal error"
+
+
+def logged_traceback(caplog, request_id):
+    """The traceback logged under a request id, as text."""
+    records = [r for r in caplog.records if r.getMessage() == f"request {request_id} failed" and r.exc_info]
+    assert len(records) == 1, caplog.text
+    return "".join(traceback.format_exception(*records[0].exc_info))
+
+
+def test_an_internal_error_is_a_500_naming_only_a_request_id_and_the_server_keeps_serving(server, oai, claude,
+                                                                                           caplog):
+    """Raised by the engine (in the worker) or while parsing (in the event loop): a 500 in the API's error shape
+    whose message names the request id of the `x-request-id` header and nothing of the exception, logged with its
+    traceback under that id; an input error the engine raises keeps its 400 and message; the next request is
+    answered."""
+    want = server.expect(server.chat_ids(USER), 4)[0]
+    answer = {"/v1/chat/completions": lambda: oai.chat.completions.create(
+                  model="tiny", messages=USER, max_tokens=4).choices[0].message.content,
+              "/v1/messages": lambda: claude.messages.create(model="tiny", messages=USER, max_tokens=4).content[0].text}
+    for path, kind in [("/v1/chat/completions", "server_error"), ("/v1/messages", "api_error")]:
+        for armed in (server.gated, server.parsing):
+            armed.fault = RuntimeError(SECRET)
+            status, headers, text = server.send(path, {"messages": USER, "max_tokens": 4})
+            request_id, error = headers["x-request-id"], json.loads(text)["error"]
+            assert status == 500 and request_id.startswith("req_") and SECRET not in text
+            assert error["type"] == kind and error["message"] == f"internal error; request id {request_id}"
+            assert SECRET in logged_traceback(caplog, request_id)
+            assert answer[path]() == want
+        server.gated.fault = InputError("token id 7 is refused")
+        status, headers, text = server.send(path, {"messages": USER, "max_tokens": 4})
+        assert status == 400 and json.loads(text)["error"]["message"] == "token id 7 is refused"
+        assert headers["x-request-id"].startswith("req_")
+
+
+def test_a_stream_failing_midway_ends_with_an_error_event_naming_only_a_request_id(server, oai, claude, caplog):
+    """After the stream's first events, an internal error ends it with an error event in the API's streaming shape
+    (OpenAI's then [DONE], Anthropic's `event: error`), which the clients raise; the next stream is answered."""
+    for path, start, kind in [("/v1/chat/completions", "data: ", "server_error"),
+                              ("/v1/messages", "event: message_start\n", "api_error")]:
+        server.gated.fault = RuntimeError(SECRET)
+        status, headers, text = server.send(path, {"messages": USER, "max_tokens": 16, "stream": True})
+        request_id, events = headers["x-request-id"], text.strip().split("\n\n")
+        assert status == 200 and events[0].startswith(start) and len(events) >= 3 and SECRET not in text
+        if path == "/v1/messages":
+            assert events[-1].startswith("event: error\n")
+            error = json.loads(events[-1].split("data: ", 1)[1])["error"]
+        else:
+            assert events[-1] == "data: [DONE]"
+            error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["type"] == kind and error["message"] == f"internal error; request id {request_id}"
+        assert SECRET in logged_traceback(caplog, request_id)
+    want = server.expect(server.chat_ids(USER), 16)[0]
+    server.gated.fault = RuntimeError(SECRET)
+    with pytest.raises(openai.APIError, match="^internal error; request id req_"):
+        list(oai.chat.completions.create(model="tiny", messages=USER, max_tokens=16, stream=True))
+    stream = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=16, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+    server.gated.fault = RuntimeError(SECRET)
+    with pytest.raises(anthropic.APIError, match="internal error; request id req_"):
+        with claude.messages.stream(model="tiny", messages=USER, max_tokens=16) as stream:
+            "".join(stream.text_stream)
+    with claude.messages.stream(model="tiny", messages=USER, max_tokens=16) as stream:
+        assert "".join(stream.text_stream) == want
+
+
+def test_a_failed_generation_leaves_no_state_behind(server, oai):
+    """A request that extends the last one fails after its prefill consumed that state: the same request again is
+    prefilled afresh and answered as the engine answers it."""
+    prompt = server.tok.encode("class Queue:\n")
+    _, tokens = server.expect(prompt, 6)
+    oai.completions.create(model="tiny", prompt=prompt, max_tokens=6)
+    longer = prompt + tokens + server.tok.encode("    def pop(self):")
+    server.gated.fault = RuntimeError(SECRET)
+    with pytest.raises(openai.InternalServerError, match="internal error; request id req_"):
+        oai.completions.create(model="tiny", prompt=longer, max_tokens=6)
+    again = oai.completions.create(model="tiny", prompt=longer, max_tokens=6)
+    assert again.choices[0].text == server.expect(longer, 6)[0]
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_twenty_concurrent_clients_get_their_own_answers(server, oai, claude):

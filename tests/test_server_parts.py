@@ -31,8 +31,6 @@ def test_stop_strings_split_over_pieces_are_caught_and_nothing_after_them_is_sen
 
 @pytest.fixture(scope="module")
 def settings():
-    if not TINY_GGUF.exists():
-        pytest.skip(f"reference fixture {TINY_GGUF} is not present")
     from dflash_jax.tokenizer import load_tokenizer
     return Settings(load_tokenizer(TINY_GGUF), "tiny", 100, 1024)
 

@@ -16,10 +16,7 @@ build = jax.jit(build_tree, static_argnums=(2, 3, 4))
 
 
 def cases():
-    path = FIXTURES / "ddtree_cases.npz"
-    if not path.exists():
-        return []
-    z = np.load(path)
+    z = np.load(FIXTURES / "ddtree_cases.npz")
     return [{k[len(f"c{i}_"):]: z[k] for k in z if k.startswith(f"c{i}_")} for i in range(len(z.files) // 6)]
 
 
@@ -36,7 +33,7 @@ def test_paper_style_tree_equals_reference(case):
 
 
 def test_reference_cases_are_present():
-    assert len(cases()) >= 6, "ddtree_cases.npz is missing or has fewer cases than the fixture README lists"
+    assert len(cases()) >= 6, "ddtree_cases.npz has fewer cases than the fixture README lists"
 
 
 @pytest.mark.parametrize("seed", range(6))

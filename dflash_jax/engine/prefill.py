@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import KernelConfig, TargetConfig
+from dflash_jax.errors import InputError
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import target
 from dflash_jax.models.target import TargetState
@@ -18,10 +19,6 @@ DEFAULT_CHUNK = 64  # the chunked gated delta rule's chunk: one compilation cove
 # the state is donated: each chunk writes the caches in place (without, each chunk held a second copy of them)
 _prefill_chunk = jax.jit(target.prefill_chunk, static_argnums=(1, 5, 6), static_argnames=("kcfg",),
                          donate_argnums=(2,))
-
-
-class InputError(ValueError):
-    """Tokens the model cannot take: ids outside the vocabulary, or more than the cache has room for."""
 
 
 def check_tokens(cfg: TargetConfig, ids: np.ndarray | list[int]) -> np.ndarray:

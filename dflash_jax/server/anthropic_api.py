@@ -6,8 +6,8 @@ from typing import Any, AsyncIterator
 
 from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, check_greedy, field,
                                        max_tokens, refuse, stop_strings, text_of)
-from dflash_jax.server.wire import anthropic_error, new_id, sse
-from dflash_jax.server.worker import GenerationFailed, Job
+from dflash_jax.server.wire import new_id, sse
+from dflash_jax.server.worker import Job
 
 UNSUPPORTED = {"tools": "tool use is not implemented", "mcp_servers": "tool use is not implemented"}
 STOP_REASON = {"stop_token": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
@@ -66,13 +66,9 @@ async def message_stream(job: Job, settings: Settings) -> AsyncIterator[str]:
     yield sse({"type": "message_start", "message": start}, "message_start")
     yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
               "content_block_start")
-    try:
-        async for piece in job.pieces():
-            yield sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}},
-                      "content_block_delta")
-    except GenerationFailed as e:
-        yield sse(anthropic_error(400 if e.bad_input else 500, str(e)), "error")
-        return
+    async for piece in job.pieces():  # a failure ends the stream with an error event (app._guarded_events)
+        yield sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}},
+                  "content_block_delta")
     yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
     delta = {"stop_reason": STOP_REASON[job.outcome.finish], "stop_sequence": job.outcome.matched}
     yield sse({"type": "message_delta", "delta": delta, "usage": _usage(job)}, "message_delta")

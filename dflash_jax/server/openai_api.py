@@ -6,8 +6,8 @@ from typing import Any, AsyncIterator, Callable
 
 from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, check_greedy, field,
                                        max_tokens, refuse, stop_strings, text_of)
-from dflash_jax.server.wire import new_id, now, openai_error, sse
-from dflash_jax.server.worker import GenerationFailed, Job, Outcome
+from dflash_jax.server.wire import new_id, now, sse
+from dflash_jax.server.worker import Job, Outcome
 
 UNSUPPORTED = {"tools": "tool calls are not implemented", "functions": "function calls are not implemented",
                "logprobs": "log probabilities are not implemented",
@@ -117,13 +117,8 @@ async def _stream(job: Job, settings: Settings, kind: str, choice: Callable[...,
             "created": now(), "model": settings.model}
     if kind == "chat.completion.chunk":
         yield sse({**head, "choices": [choice(None, None, first=True)]})
-    try:
-        async for piece in job.pieces():
-            yield sse({**head, "choices": [choice(piece, None)]})
-    except GenerationFailed as e:
-        yield sse(openai_error(400 if e.bad_input else 500, str(e)))
-        yield sse("[DONE]")
-        return
+    async for piece in job.pieces():  # a failure ends the stream with an error event (app._guarded_events)
+        yield sse({**head, "choices": [choice(piece, None)]})
     yield sse({**head, "choices": [choice(None, FINISH[job.outcome.finish])]})
     if job.request.include_usage:
         yield sse({**head, "choices": [], "usage": usage(job.request, job.outcome)})

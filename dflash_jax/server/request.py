@@ -6,12 +6,13 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from dflash_jax.chat_template import TemplateError
+from dflash_jax.errors import InputError
 from dflash_jax.tokenizer import Tokenizer
 
 _MISSING = object()
 
 
-class BadRequest(ValueError):
+class BadRequest(InputError):
     """A request the server refuses (HTTP 400 unless another status is given), naming the field at fault."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):

@@ -38,3 +38,8 @@ def openai_error(status: int, message: str, param: str | None = None) -> dict[st
 
 def anthropic_error(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, ERROR_TYPES[500])[1], "message": message}}
+
+
+def internal_error(request_id: str) -> str:
+    """What a client learns of an internal error: not its text, but the id that finds it in the server's log."""
+    return f"internal error; request id {request_id}"

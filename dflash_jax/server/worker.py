@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 import threading
 import time
 from typing import AsyncIterator, Callable
 
-from dflash_jax.engine.prefill import InputError
+from dflash_jax.errors import InputError
 from dflash_jax.server.request import GenRequest
 from dflash_jax.server.stops import StopMatcher
+from dflash_jax.server.wire import internal_error
 from dflash_jax.tokenizer import Tokenizer
+
+LOG = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -20,7 +24,8 @@ class QueueFull(RuntimeError):
 
 
 class GenerationFailed(RuntimeError):
-    """The engine raised while serving a request; `bad_input` when the request itself was at fault."""
+    """The engine raised while serving a request: the message for the client, and `bad_input` when the request
+    itself was at fault (else the message only names the request id under which the traceback was logged)."""
 
     def __init__(self, message: str, bad_input: bool = False):
         super().__init__(message)
@@ -41,8 +46,8 @@ class Outcome:
 class Job:
     """A request in flight: the worker thread sends text and the outcome; the event loop reads them."""
 
-    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop):
-        self.request, self._loop = request, loop
+    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str):
+        self.request, self._loop, self.request_id = request, loop, request_id
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self.outcome: Outcome | None = None
@@ -88,9 +93,9 @@ class Worker:
     def waiting(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, request: GenRequest, loop: asyncio.AbstractEventLoop) -> Job:
+    def submit(self, request: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str) -> Job:
         """Queue a request; QueueFull when every slot is taken."""
-        job = Job(request, loop)
+        job = Job(request, loop, request_id)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -112,10 +117,14 @@ class Worker:
             try:
                 outcome = self._run(job)
             except Exception as e:  # the thread must outlive any request
-                self._cache = None
-                failed = GenerationFailed(f"{type(e).__name__}: {e}", bad_input=isinstance(e, InputError))
+                self._cache = None  # nothing a failed request left is trusted: the next one starts afresh
+                if isinstance(e, InputError):
+                    failed = GenerationFailed(str(e), bad_input=True)
+                    self.log(f"request {job.request_id} refused: {e}")
+                else:
+                    LOG.exception("request %s failed", job.request_id)
+                    failed = GenerationFailed(internal_error(job.request_id))
                 outcome = Outcome("error", 0, 0, error=failed)
-                self.log(f"request failed: {failed}")
             job.put(outcome)
 
     def _reuse(self, ids: list[int]):

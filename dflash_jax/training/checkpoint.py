@@ -10,8 +10,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from dflash_jax.errors import InputError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(InputError):
     """A checkpoint that does not fit what is being resumed."""
 
 

@@ -9,10 +9,12 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from dflash_jax.errors import InputError
+
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".jsonl", ".toml", ".cfg")
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Training data that cannot be used: missing, empty, or too short for one sequence."""
 
 

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dflash_jax.training.data import DataError
+
 LossFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
 
@@ -64,7 +66,7 @@ class Trainer:
         """Mean metrics over the held-out sequences (whole batches; the same keys every time)."""
         rows = len(held_out) - len(held_out) % self.tc.batch
         if rows == 0:
-            raise ValueError(f"{len(held_out)} held-out sequences do not fill one batch of {self.tc.batch}")
+            raise DataError(f"{len(held_out)} held-out sequences do not fill one batch of {self.tc.batch}")
         sums: dict[str, float] = {}
         for i in range(0, rows, self.tc.batch):
             m = self.eval_fn(params, self.frozen, jnp.asarray(held_out[i:i + self.tc.batch]),
