@@ -1,7 +1,7 @@
 """The Mosaic GPU kernels' PTX and ptxas report (Q4_K, or Q6_K with --fmt), on a Hopper GPU: registers, spills,
 and the instructions of its pipeline loop (how many of each opcode, the barriers, the wgmma waits).
 
-    python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --order wgmma --fmt Q4_K]
+    python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --fmt Q4_K]
     python scripts/mgpu_ptx.py --read scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx   # a saved dump, no GPU
     python scripts/mgpu_ptx.py --read ... --sass   # also assembled for sm_90a by pip's triton (no GPU either)
 
@@ -62,23 +62,24 @@ def report(ptx: str, ptxas: str = "") -> str:
     return "\n".join(lines)
 
 
-def dump(out: Path, n: int, k: int, m: int, order: str, fmt: str = "Q4_K") -> tuple[str, str]:
-    """Compile and run the kernel for `fmt` (Q4_K: qmatmul_mgpu in `order`; Q6_K: qmatmul_mgpu_q6k)
-    once with Mosaic GPU's dumps going to `out`; the PTX and ptxas texts."""
+def dump(out: Path, n: int, k: int, m: int, fmt: str = "Q4_K") -> tuple[str, str]:
+    """Compile and run the kernel for `fmt` (Q4_K: qmatmul_mgpu; Q6_K: qmatmul_mgpu_q6k) once with Mosaic GPU's
+    dumps going to `out`; the PTX and ptxas texts."""
     out.mkdir(parents=True, exist_ok=True)
+    # read when Mosaic GPU compiles, so set before jax is imported here
     os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(out))
     import jax
     import jax.numpy as jnp
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dflash_jax.defaults import device_class
     from dflash_jax.testing.synthetic import random_matrix
     from pallas_kernels import qmatmul as qm
-    from pallas_kernels import qmatmul_mgpu as mg
 
-    if not mg.available():
-        raise SystemExit("the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x)")
-    qt, kernel = random_matrix(jax.random.key(0), fmt, (n, k)), qm.mgpu_module(fmt)
-    w = mg.pack(qt, order) if fmt == "Q4_K" else kernel.pack(qt)
+    if device_class() != "hopper":
+        raise SystemExit("the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x)")
+    qt, kernel = random_matrix(jax.random.key(0), fmt, (n, k)), qm.MGPU_MODULES[fmt]
+    w = kernel.pack(qt.fmt, qt.shape, qt.data)
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
     got, want = kernel.qmatmul(x, w), kernel.reference(x, w)
     print(f"max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}")
@@ -131,7 +132,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=1024, help="weight rows")
     ap.add_argument("--k", type=int, default=5120, help="weight columns")
     ap.add_argument("--m", type=int, default=23, help="tokens")
-    ap.add_argument("--order", default="wgmma", choices=("wgmma", "natural"), help="the Q4_K layout's quant order")
     ap.add_argument("--fmt", default="Q4_K", choices=("Q4_K", "Q6_K"), help="the weight format (its kernel)")
     ap.add_argument("--sass", action="store_true", help="also assemble the PTX (pip's triton) and count the SASS")
     args = ap.parse_args(argv)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         ptxas = args.read.with_suffix(".ptxas")
         ptx_text, ptxas_text = args.read.read_text(), ptxas.read_text() if ptxas.exists() else ""
     else:
-        ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.order, args.fmt)
+        ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.fmt)
     print(report(ptx_text, ptxas_text))
     if args.sass:
         print(sass_report(*sass(ptx_text)))
