@@ -4,8 +4,10 @@ benchmark does), or a JSONL file with one prompt per line."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+from typing import Callable
 
 from dflash_jax.errors import InputError
 
@@ -54,29 +56,35 @@ HUB_SETS = {
 }
 
 
-def hub_set(name: str) -> list[tuple[str, str]]:
-    """GSM8K or Math500 through `datasets` (it must be installed, and the data cached or the hub reachable)."""
-    path, config, split, field, fmt = HUB_SETS[name]
+def datasets_loader(module: str = "datasets") -> Callable:
+    """`load_dataset` of the `datasets` package, or a PromptSetError saying it is missing."""
     try:
-        import datasets
+        return importlib.import_module(module).load_dataset
     except ImportError:
-        raise PromptSetError(f"the {name} prompt set needs the datasets package (pip install datasets), or pass "
-                             f"its prompts as a JSONL file") from None
+        raise PromptSetError("the gsm8k and math500 prompt sets need the datasets package (pip install datasets), "
+                             "or pass their prompts as a JSONL file") from None
+
+
+def hub_set(name: str, load_dataset: Callable | None = None) -> list[tuple[str, str]]:
+    """GSM8K or Math500 through `datasets` (it must be installed, and the data cached or the hub reachable), or
+    through `load_dataset(path, config, split=...)` where given."""
+    path, config, split, field, fmt = HUB_SETS[name]
+    load_dataset = load_dataset or datasets_loader()
     try:
-        rows = datasets.load_dataset(path, config, split=split)
+        rows = load_dataset(path, config, split=split)
     except Exception as e:  # no cache and no hub: datasets raises several kinds
         raise PromptSetError(f"{name}: datasets could not load {path} ({type(e).__name__}: {e}); pass its prompts "
                              f"as a JSONL file instead") from None
     return [(f"{name}/{i}", fmt.format(row[field])) for i, row in enumerate(rows)]
 
 
-def load(spec: str, limit: int = 0) -> list[tuple[str, str]]:
+def load(spec: str, limit: int = 0, load_dataset: Callable | None = None) -> list[tuple[str, str]]:
     """A prompt set by name ("humaneval", "gsm8k", "math500") or JSONL path, the first `limit` prompts when
-    limit > 0."""
+    limit > 0; `load_dataset` stands in for the `datasets` package's (see hub_set)."""
     if spec == "humaneval":
         prompts = humaneval()
     elif spec in HUB_SETS:
-        prompts = hub_set(spec)
+        prompts = hub_set(spec, load_dataset)
     else:
         prompts = jsonl(spec)
     return prompts[:limit] if limit > 0 else prompts

@@ -35,10 +35,7 @@ def test_bad_jsonl_names_the_line(tmp_path, content, message):
         prompt_sets.load(str(tmp_path / "missing.jsonl"))
 
 
-def test_hub_sets_format_prompts_as_the_cpp_benchmark(monkeypatch):
-    import sys
-    import types
-
+def test_hub_sets_format_prompts_as_the_cpp_benchmark():
     calls = []
 
     def load_dataset(path, config, split):
@@ -46,24 +43,19 @@ def test_hub_sets_format_prompts_as_the_cpp_benchmark(monkeypatch):
         field = "question" if "gsm8k" in path else "problem"
         return [{field: "What is 2 + 2?"}, {field: "Solve x."}]
 
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    assert prompt_sets.load("gsm8k") == [("gsm8k/0", "Question: What is 2 + 2?\nAnswer: "),
-                                         ("gsm8k/1", "Question: Solve x.\nAnswer: ")]
-    assert prompt_sets.load("math500", limit=1) == [("math500/0", "Problem: What is 2 + 2?\nSolution: ")]
+    assert prompt_sets.load("gsm8k", load_dataset=load_dataset) == [
+        ("gsm8k/0", "Question: What is 2 + 2?\nAnswer: "), ("gsm8k/1", "Question: Solve x.\nAnswer: ")]
+    assert prompt_sets.load("math500", limit=1, load_dataset=load_dataset) == [
+        ("math500/0", "Problem: What is 2 + 2?\nSolution: ")]
     assert calls == [("openai/gsm8k", "main", "test"), ("HuggingFaceH4/MATH-500", None, "test")]
 
 
-def test_hub_sets_say_what_is_missing(monkeypatch):
-    import sys
-    import types
-
-    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
-    with pytest.raises(prompt_sets.PromptSetError, match="needs the datasets package"):
-        prompt_sets.load("gsm8k")
+def test_hub_sets_say_what_is_missing():
+    with pytest.raises(prompt_sets.PromptSetError, match="need the datasets package"):
+        prompt_sets.datasets_loader("a_datasets_package_that_is_not_installed")
 
     def offline(*args, **kwargs):
         raise ConnectionError("hub unreachable")
 
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
     with pytest.raises(prompt_sets.PromptSetError, match="could not load HuggingFaceH4/MATH-500.*JSONL"):
-        prompt_sets.load("math500")
+        prompt_sets.load("math500", load_dataset=offline)
