@@ -77,10 +77,13 @@ def test_bench_resolves_the_configuration_generate_resolves():
     generate.define_flags(fv)
     fv(["generate"])
     assert engine_settings(bench.parse_args(["--out", "x.json"])) == generate.resolve_flags(fv, max_ctx=4096)
-    flagged = ["--budget", "5", "--topk", "3", "--chain_seed", "--kv_dtype", "bfloat16"]
-    fv(["generate", *flagged, "--nomgpu"])  # argparse spells absl's --nomgpu --no-mgpu
-    bench_args = bench.parse_args(["--out", "x.json", *flagged, "--no-mgpu"])
-    assert engine_settings(bench_args) == generate.resolve_flags(fv, max_ctx=4096)
+    for flagged in (["--budget", "5", "--topk", "3", "--chain_seed", "--kv_dtype", "bfloat16", "--nomgpu"],
+                    ["--budget", "30", "--nochain_seed", "--kv_dtype", "float32"]):
+        fv(["generate", *flagged])
+        assert engine_settings(bench.parse_args(["--out", "x.json", *flagged])) == generate.resolve_flags(
+            fv, max_ctx=4096)
+        fv.unparse_flags()
+    assert bench.parse_args(["--out", "x.json", "--no-mgpu"]).mgpu is False  # argparse's spelling too
 
 
 def test_bench_kernels_qmatmul_section_on_a_small_matrix(capsys):
