@@ -25,7 +25,10 @@ from typing import Sequence
 from dflash_jax import assets
 from dflash_jax.config import KV_DTYPES, EngineConfig, KernelConfig
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, resolve_engine, resolve_kernels
+from dflash_jax.engine.generate import Engine
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
+from dflash_jax.load import load_draft, load_target
+from dflash_jax.profiling import CompileLog, StepTrace
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -58,8 +61,6 @@ def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | Non
 def load_models(target_path: str, draft_path: str | None, mode: str, kcfg: KernelConfig,
                 progress: bool = True) -> Models:
     """Load target, tokenizer and (unless mode is ar) drafter, checked against each other, laid out for `kcfg`."""
-    from dflash_jax.load import load_draft, load_target
-
     for path in (target_path, draft_path):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file or directory")
@@ -153,9 +154,6 @@ def run(argv: Sequence[str]) -> int:
     """The command; returns its exit code."""
     from absl import flags, logging
 
-    from dflash_jax.engine.generate import Engine
-    from dflash_jax.profiling import CompileLog, StepTrace
-
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS
     enable_jit_cache(f.jit_cache)
@@ -230,8 +228,6 @@ def engine_from_flags(argv: Sequence[str]):
     """For the commands that serve many prompts (chat, serve): check the flags, load the pair, build the engine with
     a fixed --max_ctx. Returns (engine, models, target path)."""
     from absl import flags, logging
-
-    from dflash_jax.engine.generate import Engine
 
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS

@@ -16,10 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import KV_DTYPES
+from dflash_jax.defaults import resolve_engine, resolve_kernels
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
 from dflash_jax.errors import InputError, run_main
-from dflash_jax.load import Target
+from dflash_jax.load import Target, load_target
 from dflash_jax.models.target import init_state
+from dflash_jax.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +75,6 @@ def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_dtyp
 def main(argv: list[str]) -> int:
     from absl import flags, logging
 
-    from dflash_jax.defaults import resolve_engine, resolve_kernels
-    from dflash_jax.load import load_target
-    from dflash_jax.tokenizer import load_tokenizer
 
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS

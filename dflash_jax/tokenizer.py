@@ -13,7 +13,9 @@ import functools
 import os
 from typing import Any, Callable, Sequence
 
+from dflash_jax.chat_template import render
 from dflash_jax.errors import InputError
+from dflash_jax.gguf import open_metadata
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp): contractions, letters (with combining marks for qwen35)
 # after one optional non-letter, single digits, punctuation runs with trailing newlines, newline runs, whitespace.
@@ -99,16 +101,12 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     enable_thinking: bool | None = None) -> str:
         """Prompt text of chat messages through this model's template (ChatML without one)."""
-        from dflash_jax.chat_template import render
-
         return render(messages, self.chat_template, add_generation_prompt=add_generation_prompt,
                       enable_thinking=enable_thinking, bos_token=self.bos_token, eos_token=self.eos_token)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
         """The tokenizer stored in a GGUF file's metadata (a `gpt2` byte-level BPE)."""
-        from dflash_jax.gguf import open_metadata
-
         meta = open_metadata(os.fspath(path))
         return cls.from_metadata(meta.value, os.fspath(path))
 

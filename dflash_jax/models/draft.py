@@ -10,15 +10,19 @@ The block is embedded with the target's embedding and read out through the targe
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 from dflash_jax import kernels
-from dflash_jax.config import SLIDING_ATTENTION, ConfigError, DraftConfig, KernelConfig, TargetConfig
+from dflash_jax.config import (SLIDING_ATTENTION, ConfigError, DraftConfig, KernelConfig, TargetConfig,
+                               draft_config_to_hf)
 from dflash_jax.kernels import REFERENCE, linear
 from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
 from dflash_jax.models.target import embed_tokens, output_logits
@@ -68,13 +72,6 @@ def tensors_from_params(params: dict) -> dict[str, np.ndarray]:
 
 def write_draft_dir(path: str | os.PathLike, cfg: DraftConfig, tensors: Mapping[str, np.ndarray]) -> None:
     """Save a drafter in the z-lab layout: config.json and bf16 model.safetensors (tensor names sorted)."""
-    import json
-
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    from dflash_jax.config import draft_config_to_hf
-
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(draft_config_to_hf(cfg), f, indent=2)

@@ -8,7 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig, load_target_config, target_config_to_hf
+from dflash_jax.config import (FULL_ATTENTION, LINEAR_ATTENTION, DraftConfig, TargetConfig, default_target_layer_ids,
+                               load_target_config, target_config_to_hf)
+from dflash_jax.gguf import tensor_specs
+from dflash_jax.models.draft import tensor_shapes
+from dflash_jax.testing.gguf_writer import write_gguf
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
@@ -110,8 +114,6 @@ def write_hf_dir(path: str | os.PathLike, cfg: TargetConfig, state_dict: dict[st
 
 def random_gguf_tensors(cfg: TargetConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded random float32 weights in GGUF conventions (norms around 1, ssm_a < 0), no torch needed."""
-    from dflash_jax.gguf import tensor_specs
-
     rng = np.random.default_rng(seed)
     out = {}
     for name, spec in tensor_specs(cfg).items():
@@ -135,8 +137,6 @@ def main(argv: list[str]) -> None:
 
     from absl import flags
 
-    from dflash_jax.testing.gguf_writer import write_gguf
-
     logging.getLogger("gguf").setLevel(logging.WARNING)  # gguf-py's per-file INFO lines
     cfg = load_target_config(flags.FLAGS.config)
     chosen = write_gguf(flags.FLAGS.out, random_gguf_tensors(cfg, flags.FLAGS.seed), cfg,
@@ -156,8 +156,6 @@ if __name__ == "__main__":
 def tiny_draft_config(target: TargetConfig, layer_types: tuple[str, ...] = ("full_attention", "full_attention"),
                       block_size: int = 8, sliding_window: int | None = None, taps: tuple[int, ...] | None = None):
     """A small DFlash drafter config for a target: its hidden size and vocab, taps spread over its layers."""
-    from dflash_jax.config import DraftConfig, default_target_layer_ids
-
     heads = max(1, target.hidden_size // 32)
     return DraftConfig(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size,
@@ -170,8 +168,6 @@ def tiny_draft_config(target: TargetConfig, layer_types: tuple[str, ...] = ("ful
 
 def random_draft_tensors(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded random float32 drafter weights by z-lab name (norms around 1)."""
-    from dflash_jax.models.draft import tensor_shapes
-
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in tensor_shapes(cfg).items():

@@ -9,7 +9,7 @@ from typing import Iterable
 from gguf import GGUFValueType as VT
 
 from dflash_jax.chat_template import CHATML
-from dflash_jax.tokenizer import PRE_TOKENIZERS
+from dflash_jax.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
 
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>")  # the last ids
 
@@ -56,8 +56,6 @@ def gguf_metadata(tokens: list[str], merges: list[str], chat_template: str = CHA
 
 def bpe_tokenizer(tokens: list[str], merges: list[str], chat_template: str = CHATML):
     """The `Tokenizer` a GGUF with this BPE's metadata gives, without writing the file."""
-    from dflash_jax.tokenizer import Tokenizer, TokenizerError
-
     fields = {key: value for key, value, _, _ in gguf_metadata(tokens, merges, chat_template)}
 
     def value(key, default=...):

@@ -12,7 +12,8 @@ import numpy as np
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.gguf import tensor_specs
-from dflash_jax.models.target import params_from_tensors
+from dflash_jax.models.target import LAYER_PARAMS, params_from_tensors
+from dflash_jax.testing.tiny import tiny_target_config
 from dflash_jax.training.features import sequence_logits
 from dflash_jax.training.loop import Trainer, TrainConfig
 
@@ -20,8 +21,6 @@ from dflash_jax.training.loop import Trainer, TrainConfig
 def code_target_config(hidden: int, layers: int, vocab: int, ffn: int, tie: bool = False) -> TargetConfig:
     """A small Qwen3.5 hybrid (every 4th layer attention) with 64-wide heads: hidden/64 query heads, a quarter as
     many KV heads, half as many GDN key heads as value heads; partial RoPE over 16 dims, 4096 positions."""
-    from dflash_jax.testing.tiny import tiny_target_config
-
     heads = hidden // 64
     return tiny_target_config(num_layers=layers, interval=4, vocab_size=vocab, hidden_size=hidden,
                               intermediate_size=ffn, num_heads=heads, num_kv_heads=max(1, heads // 4), head_dim=64,
@@ -87,8 +86,6 @@ def lm_loss(params: dict, cfg: TargetConfig, tokens: jax.Array) -> tuple[jax.Arr
 
 def tensors_to_write(params: dict, cfg: TargetConfig) -> dict[str, np.ndarray]:
     """Float32 tensors by GGUF name from trained parameters (for the GGUF writer)."""
-    from dflash_jax.models.target import LAYER_PARAMS
-
     engine = to_engine(params)
     out = {"token_embd.weight": np.asarray(engine["embed"]), "output_norm.weight": np.asarray(engine["norm"])}
     if not cfg.tie_word_embeddings:
