@@ -4,7 +4,7 @@
 mask `anc` [n, n]: a verified tree is one block with the tree's mask (state read, nothing per node written), a
 prefill is T/64 blocks with the causal mask and the state carried from block to block in registers. One program
 owns one head and `block_v` columns of the state: it reads its S0 columns once, builds A = beta K K^T * decay,
-T = (I + A)^-1 (by repeated squaring: matmuls only), U, W, V' = U - W S0 and O, and writes O (and V' and gamma,
+T = (I + A)^-1 (by forward substitution, `reference.unit_lower_inverse`), U, W, V' = U - W S0 and O, and writes O (and V' and gamma,
 which the commit needs; the final state only when asked). `gdn_commit` applies every GDN layer's path commit in one
 launch, updating the stacked state in place: S_a = exp(gamma_a) S0 + sum over the path of
 exp(gamma_a - gamma_j) k_j v'_j^T.

@@ -3,9 +3,8 @@
     python scripts/step_parts.py --out scripts/results/step_parts_cpu.json
 
 Parts: the AR step (a one-token verify) with the matrices as stored (Q4_K, dequantized at every call) and as
-`load_target` prepares them; the drafter's block; the DDTree builder with top_k behind its barrier and without it (a
-caller slicing top_k's outputs, as the chain seed does, let XLA on CPU lower it to a full sort); the target's verify
-of 1, 5, 16 and 23 nodes.
+`load_target` prepares them; the drafter's block; the DDTree builder (its top_k behind an optimization barrier:
+without it XLA on CPU lowered top_k to a full sort, docs/history.md); the target's verify of 1, 5, 16 and 23 nodes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Shared test setup: fixture paths, the `gpu` marker, CPU-only JAX unless a GPU run is asked for."""
+"""Shared test setup: fixture paths (tests/fixtures), the `gpu` marker (skipped, and counted, without a GPU), one
+compilation cache for the run."""
 
 import os
 import shutil

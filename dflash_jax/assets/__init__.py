@@ -1,6 +1,6 @@
 """Model files shipped inside the package: the tiny default pair `python -m dflash_jax.generate` runs without
 `--target`, a 25M-parameter Python-code target and its 2-layer DFlash drafter, trained by
-`scripts/train_tiny_pair.py` (see the README's "The shipped tiny pair")."""
+`scripts/train_tiny_pair.py` (docs/training.md, "The shipped tiny pair")."""
 
 import os
 

@@ -100,8 +100,10 @@ def synthetic_draft(cfg: DraftConfig, *, kcfg: KernelConfig = REFERENCE, seed: i
 
 
 def tree_bytes(tree) -> int:
-    """Bytes of every array in a pytree (parameters or a decode state, as laid out on the device)."""
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    """Bytes of every array in a pytree (parameters or a decode state, as laid out on the device; int4, the Mosaic
+    GPU layout's quants, two to a byte)."""
+    bits = lambda dtype: 4 if dtype in (jnp.int4, jnp.uint4) else 8 * dtype.itemsize  # noqa: E731
+    return sum(int(np.prod(x.shape)) * bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
 
 
 def synthetic_27b(kcfg: KernelConfig, seed: int = 0, on_tensor=None) -> tuple[Target, Draft]:
