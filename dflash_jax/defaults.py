@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 
-from dflash_jax.config import IMPLS, KV_DTYPES, MGPU_LAYOUTS, ConfigError, EngineConfig, KernelConfig
+from dflash_jax.config import IMPLS, KV_DTYPES, ConfigError, EngineConfig, KernelConfig
 
 DEVICE_CLASSES = ("cpu", "gpu", "hopper")
 
@@ -66,7 +66,6 @@ def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | No
         layout = ("beside" if mode == "ar" else "only") if mgpu else "off"
     if impl == "reference":
         layout = "off"
-    assert layout in MGPU_LAYOUTS
     return KernelConfig(impl=impl, interpret=impl == "pallas" and device == "cpu", mgpu=layout,
                         **({} if small_rows is None else {"small_rows": small_rows}))
 

@@ -207,8 +207,7 @@ def gemv(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, block_n: in
     bn, cols, warps = GEMV_TILES
     block_n, columns, num_warps = block_n or bn, columns or cols, num_warps or warps
     step, steps, splits = k_steps(pw.fmt, n, k, block_n, columns, splits, target=2048)
-    xb = jnp.zeros((1, k), jnp.bfloat16).at[:1].set(x_operand(x, "f32"))
-    xp = xb[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)
+    xp = x_operand(x, "f32")[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)
     xp = xp.astype(jnp.float32).reshape((xp.shape[0], -1) + UNIT_SHAPE[pw.fmt])
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
