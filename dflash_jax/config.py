@@ -125,6 +125,8 @@ class DraftConfig:
 IMPLS = ("reference", "pallas")
 MGPU_LAYOUTS = ("off", "beside", "only")
 KV_DTYPES = ("float32", "bfloat16")
+NUMERICS = ("exact", "fast")
+DRAFT_RULES = ("coupled", "tempered", "plain")  # EngineConfig.draft_rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +142,11 @@ class KernelConfig:
     # product of those matrices on Mosaic GPU, one token padded to 8)
     mgpu: str = "off"
     small_rows: int = 64  # with pallas, quantized matrices of fewer rows go to XLA's product as float32
+    # "exact": every product rounds its operands the same way whatever the number of tokens, so a position's logits
+    # do not depend on how many tokens share its forward and speculative decoding emits what AR emits
+    # (docs/architecture.md, "Numerics"); "fast": one token of Q4_K/Q6_K on the int8-activation GEMV and the gated
+    # delta rule's products in TF32 -- faster on a GPU, and NOT exact: a tree may then emit other tokens than AR
+    numerics: str = "exact"
 
     def __post_init__(self):
         _check(self.impl in IMPLS, f"impl {self.impl!r} is not one of {', '.join(IMPLS)}")
@@ -148,6 +155,12 @@ class KernelConfig:
                f"the Mosaic GPU layout ({self.mgpu!r}) needs impl 'pallas' on a Hopper GPU (no interpret mode)")
         _check(not self.interpret or self.impl == "pallas", "interpret mode is for the Pallas kernels (impl 'pallas')")
         _check(self.small_rows >= 0, f"small_rows {self.small_rows} must be at least 0")
+        _check(self.numerics in NUMERICS, f"numerics {self.numerics!r} is not one of {', '.join(NUMERICS)}")
+
+    @property
+    def exact(self) -> bool:
+        """Whether products round the same way at every row count (`numerics` "exact")."""
+        return self.numerics == "exact"
 
     def describe(self) -> str:
         """One line for --stats: the kernel set and its choices."""
@@ -156,7 +169,7 @@ class KernelConfig:
         layout = {"off": "Triton kernels", "beside": "Mosaic GPU beside Triton for Q4_K/Q6_K",
                   "only": "Mosaic GPU for Q4_K/Q6_K"}[self.mgpu]
         return (f"Pallas kernels{' in interpret mode' if self.interpret else ''}: {layout}, matrices under "
-                f"{self.small_rows} rows on XLA")
+                f"{self.small_rows} rows on XLA, {self.numerics} numerics")
 
 
 MODES = ("ar", "chain", "ddtree")
@@ -175,6 +188,8 @@ class EngineConfig:
     chain_seed: bool | None = None
     max_ctx: int = 4096  # committed tokens the caches hold (prompt + generated)
     kv_dtype: str = "float32"
+    # what a sampled step builds its tree from (dflash_jax.engine.sampling.draft_scores); greedy uses the logits
+    draft_rule: str = "coupled"
 
     def __post_init__(self):
         _check(self.mode in MODES, f"mode {self.mode!r} is not one of {', '.join(MODES)}")
@@ -184,6 +199,8 @@ class EngineConfig:
         _check(self.topk >= 1, f"topk {self.topk} must be at least 1 (a top-K wider than the budget is cut to it)")
         _check(self.max_ctx >= 2, f"max_ctx {self.max_ctx} must be at least 2")
         _check(self.kv_dtype in KV_DTYPES, f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        _check(self.draft_rule in DRAFT_RULES,
+               f"draft_rule {self.draft_rule!r} is not one of {', '.join(DRAFT_RULES)}")
 
     def seeds_chain(self, depth: int) -> bool:
         """Whether the DDTree starts from the top-1 chain, for a draft of `depth` rows."""

@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 
-from dflash_jax.config import IMPLS, KV_DTYPES, ConfigError, EngineConfig, KernelConfig
+from dflash_jax.config import DRAFT_RULES, IMPLS, KV_DTYPES, NUMERICS, ConfigError, EngineConfig, KernelConfig
 
 DEVICE_CLASSES = ("cpu", "gpu", "hopper")
 
@@ -25,16 +25,24 @@ class DeviceDefaults:
     mgpu_tree: str  # KernelConfig.mgpu in chain and ddtree modes (one-token products only at a prompt's end)
     kv_dtype: str  # EngineConfig.kv_dtype
     budget: int  # EngineConfig.budget: DDTree nodes besides the root
+    numerics: str  # KernelConfig.numerics
 
 
 DEVICE_DEFAULTS = {
-    # The reference path; budgets 4-12 without the chain seed beat 22 with it on two CPU cores (docs/benchmarks.md)
-    "cpu": DeviceDefaults(impl="reference", mgpu_ar="off", mgpu_tree="off", kv_dtype="float32", budget=8),
-    # GPUs before Hopper: the Triton kernels alone
-    "gpu": DeviceDefaults(impl="pallas", mgpu_ar="off", mgpu_tree="off", kv_dtype="bfloat16", budget=22),
-    # Hopper (compute capability 9.x): the speculative modes' Q4_K/Q6_K products on the Mosaic GPU kernels alone; ar
-    # keeps the Triton layout only, its one-token products on the int8 GEMV ("beside" would hold the quants twice)
-    "hopper": DeviceDefaults(impl="pallas", mgpu_ar="off", mgpu_tree="only", kv_dtype="bfloat16", budget=22),
+    # The reference path, float32 throughout (exact at no cost); budgets 4-12 without the chain seed beat 22 with it on
+    # two CPU cores (docs/benchmarks.md)
+    "cpu": DeviceDefaults(impl="reference", mgpu_ar="off", mgpu_tree="off", kv_dtype="float32", budget=8,
+                          numerics="exact"),
+    # GPUs before Hopper: the Triton kernels alone. Numerics "fast" for now: the exact gated delta rule's float32
+    # products made the 27B's AR step 9.76 -> 12.56 ms and its 23-node verify kernels 2.5 -> 6-14 ms on an H200
+    # (docs/architecture.md, "Numerics"); `--numerics exact` asks for them
+    "gpu": DeviceDefaults(impl="pallas", mgpu_ar="off", mgpu_tree="off", kv_dtype="bfloat16", budget=22,
+                          numerics="fast"),
+    # Hopper (compute capability 9.x): every Q4_K/Q6_K product on the Mosaic GPU kernels alone, ar too (its step
+    # 9.76 ms against 10.44 ms on the Triton layout's GEMV, H200: scripts/results/bench_27b_h200_config_mgpu_nov27.txt
+    # and bench_27b_h200_config_triton_nov27.txt), so that every mode multiplies the same rounded weights
+    "hopper": DeviceDefaults(impl="pallas", mgpu_ar="only", mgpu_tree="only", kv_dtype="bfloat16", budget=22,
+                             numerics="fast"),
 }
 
 
@@ -47,34 +55,43 @@ def device_class(device: jax.Device | None = None) -> str:
 
 
 def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | None = None,
-                    small_rows: int | None = None, device: str | None = None) -> KernelConfig:
+                    small_rows: int | None = None, numerics: str | None = None, device: str | None = None
+                    ) -> KernelConfig:
     """The KernelConfig for a decoding mode on a device class (default: this machine's) from the user's choices.
 
     impl: `auto` (the device's), `reference` or `pallas` (on a CPU: in interpret mode). mgpu: None (the device's),
-    True (the Mosaic GPU layout, "beside" for ar and "only" for chain/ddtree; Hopper only) or False."""
+    True (every Q4_K/Q6_K matrix in the Mosaic GPU layout alone; Hopper only) or False. numerics: None
+    (the device's), "exact" (speculative decoding emits what AR emits) or "fast" (KernelConfig.numerics)."""
     device = device or device_class()
     if device not in DEVICE_CLASSES:
         raise ConfigError(f"device class {device!r} is not one of {', '.join(DEVICE_CLASSES)}")
     if impl != "auto" and impl not in IMPLS:
         raise ConfigError(f"impl must be one of auto, {', '.join(IMPLS)}; got {impl!r}")
+    if numerics is not None and numerics not in NUMERICS:
+        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
     defaults = DEVICE_DEFAULTS[device]
     impl = defaults.impl if impl == "auto" else impl
+    numerics = numerics or defaults.numerics
     layout = defaults.mgpu_ar if mode == "ar" else defaults.mgpu_tree
     if mgpu is not None:
         if mgpu and device != "hopper":
             raise ConfigError("the Mosaic GPU layout (--mgpu) needs a Hopper GPU (compute capability 9.x)")
-        layout = ("beside" if mode == "ar" else "only") if mgpu else "off"
+        layout = "only" if mgpu else "off"
     if impl == "reference":
         layout = "off"
-    return KernelConfig(impl=impl, interpret=impl == "pallas" and device == "cpu", mgpu=layout,
+    return KernelConfig(impl=impl, interpret=impl == "pallas" and device == "cpu", mgpu=layout, numerics=numerics,
                         **({} if small_rows is None else {"small_rows": small_rows}))
 
 
 def resolve_engine(mode: str = "ddtree", *, budget: int | None = None, topk: int = 8, chain_seed: bool | None = None,
-                   max_ctx: int = 4096, kv_dtype: str | None = None, device: str | None = None) -> EngineConfig:
+                   max_ctx: int = 4096, kv_dtype: str | None = None, draft_rule: str = "coupled",
+                   device: str | None = None) -> EngineConfig:
     """The EngineConfig of the decoding flags, a None taking the device class's default (budget, KV dtype)."""
     defaults = DEVICE_DEFAULTS[device or device_class()]
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    if draft_rule not in DRAFT_RULES:
+        raise ConfigError(f"draft_rule must be one of {', '.join(DRAFT_RULES)}; got {draft_rule!r}")
     return EngineConfig(mode=mode, budget=defaults.budget if budget is None else budget, topk=topk,
-                        chain_seed=chain_seed, max_ctx=max_ctx, kv_dtype=kv_dtype or defaults.kv_dtype)
+                        chain_seed=chain_seed, max_ctx=max_ctx, kv_dtype=kv_dtype or defaults.kv_dtype,
+                        draft_rule=draft_rule)

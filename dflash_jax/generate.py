@@ -1,4 +1,5 @@
-"""`python -m dflash_jax.generate`: greedy generation from a prompt, streamed as tokens commit.
+"""`python -m dflash_jax.generate`: generation from a prompt (greedy, or sampled with `--temperature`), streamed as
+tokens commit.
 
     python -m dflash_jax.generate --prompt "def fib(n):"                  # the tiny model pair shipped in the package
     python -m dflash_jax.generate --target Qwen3.5-27B-Q4_K_M.gguf --draft Qwen3.5-27B-DFlash --prompt "..." --stats
@@ -18,14 +19,16 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import sys
 import time
 from typing import Sequence
 
 from dflash_jax import assets
-from dflash_jax.config import KV_DTYPES, EngineConfig, KernelConfig
+from dflash_jax.config import DRAFT_RULES, KV_DTYPES, NUMERICS, EngineConfig, KernelConfig
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
+from dflash_jax.engine.sampling import SEED_LIMIT, SamplingParams
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
 from dflash_jax.load import load_draft, load_target
 from dflash_jax.profiling import CompileLog, StepTrace
@@ -128,11 +131,19 @@ def _backend() -> str:
 def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_rows: int | None = None
                   ) -> tuple[EngineConfig, KernelConfig]:
     """The engine and kernel configuration of the decoding flags (`f.mode`, `budget`, `topk`, `chain_seed`,
-    `max_ctx`, `kv_dtype`, `mgpu`), None flags taking the device class's defaults (dflash_jax/defaults.py): the one
-    resolution every command and benchmark goes through."""
+    `max_ctx`, `kv_dtype`, `draft_rule`, `mgpu`, `numerics`), None flags taking the device class's defaults
+    (dflash_jax/defaults.py): the one resolution every command and benchmark goes through."""
     ecfg = resolve_engine(f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed,
-                          max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_dtype=f.kv_dtype)
-    return ecfg, resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows)
+                          max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_dtype=f.kv_dtype,
+                          draft_rule=f.draft_rule)
+    return ecfg, resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics)
+
+
+def sampling_from_flags(f) -> SamplingParams:
+    """The sampling flags (`temperature`, `top_p`, `top_k`, `min_p`, `seed`) as SamplingParams; with no --seed a
+    sampled run draws one (report it: `SamplingParams.describe`)."""
+    seed = f.seed if f.seed is not None else (secrets.randbelow(SEED_LIMIT) if f.temperature > 0 else 0)
+    return SamplingParams(temperature=f.temperature, top_p=f.top_p, top_k=f.top_k, min_p=f.min_p, seed=seed)
 
 
 def tree_settings(ecfg: EngineConfig, engine) -> dict:
@@ -164,6 +175,7 @@ def run(argv: Sequence[str]) -> int:
     check_profile_dir(f.profile)
     target_path, draft_path = resolve_paths(f.target, f.draft)
     ecfg, kcfg = resolve_flags(f, max_ctx=f.max_ctx or CTX_ROUND)  # checks the values; max_ctx is fitted below
+    sampling = sampling_from_flags(f)
     if f.prompt_ids is not None:
         ids = read_ids(f.prompt_ids, flag="--prompt_ids").tolist()
         fit_max_ctx(f.max_ctx, len(ids), f.n_gen)  # before loading anything
@@ -190,7 +202,8 @@ def run(argv: Sequence[str]) -> int:
         on_tokens = None if f.json else stream
         tracer = StepTrace(f.profile, f.profile_steps, inner=on_tokens) if f.profile is not None else None
         try:
-            gen = engine.generate(ids, f.n_gen, tok.stop_ids, on_tokens=on_tokens if tracer is None else tracer)
+            gen = engine.generate(ids, f.n_gen, tok.stop_ids, on_tokens=on_tokens if tracer is None else tracer,
+                                  sampling=sampling)
         finally:
             if tracer is not None:
                 tracer.close()  # generation ended before the traced steps were done, or raised
@@ -201,7 +214,8 @@ def run(argv: Sequence[str]) -> int:
                    stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
                    steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, kv_dtype=ecfg.kv_dtype,
-                   backend=_backend(), device_class=device_class(), kernels=dataclasses.asdict(kcfg))
+                   backend=_backend(), device_class=device_class(), kernels=dataclasses.asdict(kcfg),
+                   sampling=dataclasses.asdict(sampling))
         if tracer is not None:
             out["profile_steps"] = tracer.traced_steps
         if log is not None:
@@ -215,7 +229,8 @@ def run(argv: Sequence[str]) -> int:
               f"{gen.prefill_s:.2f} s (with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over "
               f"{gen.steps} steps, acceptance length {gen.mean_accept_length:.2f}: first step "
               f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()} "
-              f"({device_class()}): {kcfg.describe()}; {ecfg.kv_dtype} KV cache", file=sys.stderr)
+              f"({device_class()}): {kcfg.describe()}; {ecfg.kv_dtype} KV cache; {sampling.describe()}",
+              file=sys.stderr)
     if tracer is not None:
         print(f"profile: {tracer.traced_steps} steps traced into {f.profile} (open the .trace.json.gz in "
               "ui.perfetto.dev or the directory in TensorBoard)", file=sys.stderr)
@@ -276,10 +291,26 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
                          flag_values=fv)
     flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV cache dtype (default: bfloat16 on a GPU, float32 on a "
                       "CPU).", flag_values=fv)
-    flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K and Q6_K products of 2-64 tokens (verify, "
-                         "prefill, the drafter's head) on the Mosaic GPU kernels. Their layout replaces the weights' "
-                         "for chain and ddtree; ar keeps both (a second copy in device memory) for its one-token GEMV. "
-                         "Default: on for chain and ddtree on a Hopper GPU, else off (--nomgpu).", flag_values=fv)
+    flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K and Q6_K products on the Mosaic GPU "
+                         "kernels, their layout replacing the Triton kernels'. Default: on on a Hopper GPU, else off "
+                         "(--nomgpu).", flag_values=fv)
+    flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy decoding. Every mode emits the same "
+                       "tokens for a seed (the coupled Gumbel rule: docs/architecture.md, \"Sampling\").",
+                       lower_bound=0.0, flag_values=fv)
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the most likely tokens whose probabilities reach this "
+                       "sum (1: off).", flag_values=fv)
+    flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off).", lower_bound=0, flag_values=fv)
+    flags.DEFINE_float("min_p", 0.0, "Keep the tokens at least this fraction as likely as the most likely (0: off).",
+                       flag_values=fv)
+    flags.DEFINE_integer("seed", None, "Sampling seed, 0 to 2^32-1 (default: a random one, reported by --stats and "
+                         "--json).", flag_values=fv)
+    flags.DEFINE_enum("draft_rule", "coupled", list(DRAFT_RULES), "What a sampled step builds its tree from: the "
+                      "drafter's logits / temperature plus the target's noise (coupled), logits / temperature, or "
+                      "the logits.", flag_values=fv)
+    flags.DEFINE_enum("numerics", None, list(NUMERICS), "exact: speculative decoding emits exactly what AR emits "
+                      "(the same rounding at every row count; float32 delta-rule products, slower on a GPU); fast: "
+                      "one-token int8 GEMVs, TF32 delta-rule products, bf16 softmax weights: NOT exact. Default: exact "
+                      "on a CPU, fast on a GPU.", flag_values=fv)
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.", flag_values=fv)
 

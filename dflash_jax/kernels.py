@@ -65,12 +65,19 @@ def prepare_matrix(x: Any, kcfg: KernelConfig) -> Any:
 
 def linear(x: jax.Array, w: Any, kcfg: KernelConfig) -> jax.Array:
     """x [..., in] @ w.T -> float32, for a dense array, a QTensor (reference) or a PackedWeight (the Pallas kernels,
-    laid out for `kcfg` at load)."""
+    laid out for `kcfg` at load).
+
+    Every route rounds its operands the same way at any number of rows (docs/architecture.md, "Numerics"): the
+    kernels as their module says; with pallas a bf16 matrix (the drafter's) multiplies x rounded to bf16, float32
+    accumulation; other dense products are exact float32 (XLA's default on a GPU is TF32 for many rows, which a
+    one-row product does not use)."""
     if not isinstance(w, qm.PackedWeight):
+        if kcfg.impl == "pallas" and getattr(w, "dtype", None) == jnp.bfloat16:
+            return jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
         return reference_linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    parts = [qm.qmatmul(rows[i:i + qm.M_MAX], w, interpret=kcfg.interpret)
+    parts = [qm.qmatmul(rows[i:i + qm.M_MAX], w, interpret=kcfg.interpret, exact=kcfg.exact)
              for i in range(0, rows.shape[0], qm.M_MAX)]
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return out.reshape(*lead, w.shape[0])
@@ -84,7 +91,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     args = (q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo)
     if kcfg.impl == "reference":
         return ref.tree_attention(*args, layer)
-    return tree_attention_kernel(*args, layer=layer, interpret=kcfg.interpret)
+    return tree_attention_kernel(*args, layer=layer, interpret=kcfg.interpret, exact=kcfg.exact)
 
 
 def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array, kcfg: KernelConfig) -> jax.Array:
@@ -100,7 +107,7 @@ def gdn_tree(q, k, v, g, beta, s0, anc, kcfg: KernelConfig, layer: int | None = 
     the stacked state and the kernel reads that layer in place."""
     if kcfg.impl == "reference":
         return ref.gdn_block(q, k, v, g, beta, s0, anc, layer)
-    return gdn.gdn_tree(q, k, v, g, beta, s0, anc, layer=layer, interpret=kcfg.interpret)
+    return gdn.gdn_tree(q, k, v, g, beta, s0, anc, layer=layer, interpret=kcfg.interpret, exact=kcfg.exact)
 
 
 def gdn_chunked(q, k, v, g, beta, s0, kcfg: KernelConfig, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -108,7 +115,7 @@ def gdn_chunked(q, k, v, g, beta, s0, kcfg: KernelConfig, layer: int | None = No
     `layer`, s0 is the stacked state and the kernel reads that layer in place."""
     if kcfg.impl == "reference":
         return ref.gdn_chunked(q, k, v, g, beta, s0, layer=layer)
-    return gdn.gdn_chunked(q, k, v, g, beta, s0, layer=layer, interpret=kcfg.interpret)
+    return gdn.gdn_chunked(q, k, v, g, beta, s0, layer=layer, interpret=kcfg.interpret, exact=kcfg.exact)
 
 
 def gdn_commit(ssm: jax.Array, k: list[jax.Array], v_new: list[jax.Array], gamma: list[jax.Array],
@@ -124,4 +131,4 @@ def gdn_commit(ssm: jax.Array, k: list[jax.Array], v_new: list[jax.Array], gamma
 
         return jax.lax.fori_loop(0, ssm.shape[0], layer, ssm)
     return gdn.gdn_commit(ssm, jnp.stack(k), jnp.stack(v_new), jnp.stack(gamma), path, leaf,
-                          interpret=kcfg.interpret)
+                          interpret=kcfg.interpret, exact=kcfg.exact)

@@ -10,10 +10,12 @@ launch, updating the stacked state in place: S_a = exp(gamma_a) S0 + sum over th
 exp(gamma_a - gamma_j) k_j v'_j^T.
 
 The references are `reference.gdn_block`, `reference.gdn_chunked` and `reference.gdn_path_state`. Operands and the
-state are float32; the products run in TF32 on the GPU (Precision.DEFAULT, JAX's own default for float32 matmuls on a
-GPU: 4.7e-4 relative error against float32 on a 27B layer; three TF32 passes or the FMA units measured 2-3x slower,
-scripts/results/gdn_probe_h100.txt) and in exact float32 in interpret mode (the CPU has no TF32). Pallas Triton
-backend; `interpret=True` runs it on CPU for the tests.
+state are float32, and so are the products (`exact`, the default): a verified tree, one token and a prefill chunk
+reach a position's state by different products, so only float32 keeps them equal up to the order of the sums. With
+exact=False the products run in TF32 on the GPU (4.7e-4 relative error against float32 on a 27B layer; the FMA
+units measured 2-3x slower per kernel, scripts/results/gdn_probe_h100.txt), which makes a tree's outputs differ
+from AR's. Interpret mode is always float32 (the CPU has no TF32). Pallas Triton backend; `interpret=True` runs it
+on CPU for the tests.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def _dot(a: jax.Array, b: jax.Array, precision, ta: bool = False, tb: bool = Fal
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _precision(interpret: bool):
-    """The products' precision: TF32 on the GPU, exact float32 in interpret mode (module docstring)."""
-    return jax.lax.Precision.HIGHEST if interpret else jax.lax.Precision.DEFAULT
+def _precision(interpret: bool, exact: bool):
+    """The products' precision: float32, or TF32 on the GPU where not `exact` (module docstring)."""
+    return jax.lax.Precision.HIGHEST if interpret or exact else jax.lax.Precision.DEFAULT
 
 
 def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
@@ -92,10 +94,11 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
         out_refs[3][h, :, cols] = state
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "num_warps", "num_stages", "interpret",
+                                             "exact"))
 def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
                anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None, block_v: int = 128,
-               num_warps: int = 8, num_stages: int = 1, interpret: bool = False):
+               num_warps: int = 8, num_stages: int = 1, interpret: bool = False, exact: bool = True):
     """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
 
     Returns (o [T, H, dv], v_new [T, H, dv], gamma [T, H]) and, with `final`, the state after the last token of
@@ -121,7 +124,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     if final:
         out_shape.append(jax.ShapeDtypeStruct((h, dk, dv), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, final, _precision(interpret)),
+        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, final, _precision(interpret, exact)),
         out_shape=tuple(out_shape),
         grid=(h, dv // block_v),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -132,7 +135,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
 
 
 def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-             anc: jax.Array, *, layer: int | jax.Array | None = None, interpret: bool = False
+             anc: jax.Array, *, layer: int | jax.Array | None = None, interpret: bool = False, exact: bool = True
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Verify: the kernel counterpart of reference.gdn_block for N <= 64 tokens (padded to a power of two); with
     `layer`, s0 is the stacked state [layers, H, dk, dv]."""
@@ -141,13 +144,13 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
     pad = lambda x: jnp.pad(x, [(0, n_pad - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     anc_pad = jnp.eye(n_pad, dtype=bool).at[:n, :n].set(anc)  # padding tokens: their own roots
     o, v_new, gamma = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, anc_pad, block_n=n_pad, final=False, layer=layer,
-                                 interpret=interpret)
+                                 interpret=interpret, exact=exact)
     return o[:n], v_new[:n], gamma[:n]
 
 
 def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-                chunk: int = 64, *, layer: int | jax.Array | None = None, interpret: bool = False
-                ) -> tuple[jax.Array, jax.Array]:
+                chunk: int = 64, *, layer: int | jax.Array | None = None, interpret: bool = False,
+                exact: bool = True) -> tuple[jax.Array, jax.Array]:
     """Prefill: the kernel counterpart of reference.gdn_chunked; returns (o [T, H, dv], final state). With
     `layer`, s0 is the stacked state [layers, H, dk, dv]."""
     n = q.shape[0]
@@ -155,7 +158,7 @@ def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     pad = lambda x: jnp.pad(x, [(0, pad_n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
     o, _, _, state = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, causal, block_n=chunk, final=True, layer=layer,
-                                interpret=interpret)
+                                interpret=interpret, exact=exact)
     return o[:n], state
 
 
@@ -171,9 +174,10 @@ def _commit_kernel(block_v: int, precision, leaf_ref, path_ref, k_ref, vn_ref, g
                                 + _dot(wts[:, None] * k, vn_ref[layer, :, h, cols], precision, ta=True))
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret", "exact"))
 def gdn_commit(ssm: jax.Array, k: jax.Array, v_new: jax.Array, gamma: jax.Array, path: jax.Array,
-               leaf: jax.Array, *, block_v: int = 32, num_warps: int = 8, interpret: bool = False) -> jax.Array:
+               leaf: jax.Array, *, block_v: int = 32, num_warps: int = 8, interpret: bool = False,
+               exact: bool = True) -> jax.Array:
     """Every layer's state after the accepted path: ssm [L, H, dk, dv] (updated in place where its buffer is not
     needed afterwards, e.g. inside the jitted step), k [L, N, H, dk],
     v_new [L, N, H, dv], gamma [L, N, H] from verify, path [N] bool, leaf [] -> [L, H, dk, dv]."""
@@ -184,7 +188,7 @@ def gdn_commit(ssm: jax.Array, k: jax.Array, v_new: jax.Array, gamma: jax.Array,
     pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, n_pad - n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     path = jnp.pad(path, (0, n_pad - n)).astype(jnp.int32)
     return pl.pallas_call(
-        functools.partial(_commit_kernel, block_v, _precision(interpret)),
+        functools.partial(_commit_kernel, block_v, _precision(interpret, exact)),
         out_shape=jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
         grid=(layers, h, dv // block_v),
         input_output_aliases={5: 0},

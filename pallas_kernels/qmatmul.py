@@ -8,8 +8,9 @@ picks the kernel by the weight (its static pytree structure, so the choice is in
   for every M, one token padded to 8 (Hopper only, no interpret mode). On an H200 the Q4_K kernel made the DDTree-22
   step 1.31x faster (28.1 -> 21.5 ms, scripts/results/tree_mgpu_ptx_h200.txt), the Q6_K one 21.67 -> 19.00 ms on an
   H100 (scripts/results/bench_27b_h100_mgpu_q6k_b.txt);
-- one token (M = 1): Q4_K/Q6_K the int8-activation GEMV (gemv_int8.py), Q5_K/Q8_0 the float GEMV
-  (qmatmul_triton.gemv);
+- one token (M = 1): the float GEMV (qmatmul_triton.gemv), its operands rounded as the tensor-core kernel rounds
+  them, so that one token's product equals many tokens' up to the order of float32 sums; with `exact=False`, one
+  token of Q4_K/Q6_K takes the int8-activation GEMV instead (gemv_int8.py: faster, x rounded to int8, not exact);
 - 2-64 tokens of a weight that also carries the Mosaic GPU layout, on a GPU: that kernel;
 - else the Triton tensor-core kernel (qmatmul_triton.mma), its Q4_K/Q6_K tiles in packed float16 where float16 holds
   the weight, else in float32 rounded to bf16 (tile_ptx.py).
@@ -82,27 +83,26 @@ def dequantize(pw: PackedWeight) -> jax.Array:
     return MGPU_MODULES[pw.fmt].dequantize(pw.mgpu) if pw.mgpu_only else dequantize_packed(pw)
 
 
-def qmatmul_reference(x: jax.Array, pw: PackedWeight) -> jax.Array:
+def qmatmul_reference(x: jax.Array, pw: PackedWeight, *, exact: bool = True) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 as `qmatmul` computes it for this weight and M: x and the weights rounded as
-    that route's kernel takes them (one token of Q4_K/Q6_K: x quantized to int8 per weight group). A Mosaic GPU
-    kernel beside the Triton layout multiplies the same float16 weights as the f16x2 tiles of the tensor-core kernel,
-    so its products of 2-64 tokens have this one reference on a GPU and in interpret mode."""
+    that route's kernel takes them (with exact=False, one token of Q4_K/Q6_K: x quantized to int8 per weight group).
+    A Mosaic GPU kernel beside the Triton layout multiplies the same float16 weights as the f16x2 tiles of the
+    tensor-core kernel, so its products of 2-64 tokens have this one reference on a GPU and in interpret mode."""
     if pw.mgpu_only:
         return MGPU_MODULES[pw.fmt].reference(x, pw.mgpu)
-    if x.shape[0] == 1:
-        if pw.fmt in gemv_int8.FORMATS:
-            return gemv_int8.gemv_int8_reference(x, pw)
-        return qmatmul_triton.gemv_reference(x, pw)
+    if x.shape[0] == 1 and not exact and pw.fmt in gemv_int8.FORMATS:
+        return gemv_int8.gemv_int8_reference(x, pw)
     return qmatmul_triton.mma_reference(x, pw)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_n", "columns", "splits", "num_warps", "num_stages"))
-def qmatmul(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, block_n: int | None = None,
-            columns: int | None = None, splits: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64, by the kernel the weight and M pick (module
-    docstring). Tuning (None: each kernel's defaults): `splits` programs along K, and for the Triton kernels `block_n`
-    rows of W a program, `columns` a K step, `num_warps`, `num_stages` (Triton's software pipeline depth)."""
+@functools.partial(jax.jit, static_argnames=("interpret", "exact", "block_n", "columns", "splits", "num_warps",
+                                             "num_stages"))
+def qmatmul(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, exact: bool = True,
+            block_n: int | None = None, columns: int | None = None, splits: int | None = None,
+            num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] float32 for a PackedWeight, M <= 64, by the kernel the weight, M and `exact` pick
+    (module docstring). Tuning (None: each kernel's defaults): `splits` programs along K, and for the Triton kernels
+    `block_n` rows of W a program, `columns` a K step, `num_warps`, `num_stages` (Triton's software pipeline depth)."""
     m, k = x.shape
     n, kw = pw.shape
     if k != kw:
@@ -119,7 +119,7 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, block_n:
                              "qmatmul_mgpu_q6k.qmatmul for their other options)")
         return MGPU_MODULES[pw.fmt].qmatmul(x, pw.mgpu, splits=splits)
     if m == 1:
-        if pw.fmt in gemv_int8.FORMATS:
+        if not exact and pw.fmt in gemv_int8.FORMATS:
             return gemv_int8.gemv_int8(x, pw, interpret=interpret, **tuning)
         return qmatmul_triton.gemv(x, pw, interpret=interpret, **tuning)
     return qmatmul_triton.mma(x, pw, interpret=interpret, **tuning)

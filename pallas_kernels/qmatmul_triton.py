@@ -7,11 +7,15 @@ multiplies it on the tensor cores (mma.sync, tokens x rows) with the activations
 plane's column order and pads to a power of two before the kernel. A matrix with few row tiles (the 5120-row ones)
 splits K over several programs (`splits`), so that every multiprocessor streams, and XLA adds their partial products.
 
-GEMV: no tensor cores, so no bf16 rounding of the tile and no shuffle into the product's operand layout; each
-program owns 8 rows, multiplies each plane's float32 tile by the activations in the tile's own shape, accumulates
-it, sums the rows once at the end, and loads one K step ahead of the one it computes (`GEMV_PREFETCH`). On an H100
-the GEMV was 1.0-1.7x faster per matrix than the tensor-core kernel at M = 1 (scripts/results/qmatmul_h100_gemv.json)
-and took the 27B's AR step from 23.5 to 16.0 ms (scripts/results/ar_one_token_h100.txt).
+GEMV: no tensor cores and no shuffle into the product's operand layout; each program owns 8 rows, multiplies each
+plane's tile by the activations in the tile's own shape in float32, accumulates it, sums the rows once at the end,
+and loads one K step ahead of the one it computes (`GEMV_PREFETCH`). Its operands are rounded as the tensor-core
+kernel rounds them (float16 scaled by 2**F16_SHIFT where float16 holds the weight, else bf16): a product of two such
+values is exact in float32, so one token's products equal the tensor-core kernel's up to the order of the float32
+sums, and a position's logits do not depend on how many tokens are verified with it (docs/architecture.md,
+"Numerics"). On an H100 the GEMV was 1.0-1.7x faster per matrix than the tensor-core kernel at M = 1
+(scripts/results/qmatmul_h100_gemv.json) and took the 27B's AR step from 23.5 to 16.0 ms
+(scripts/results/ar_one_token_h100.txt).
 """
 
 from __future__ import annotations
@@ -27,9 +31,8 @@ from pallas_kernels.qcommon import (N_PLANES, PTX_FORMATS, UNIT_SHAPE, PackedWei
                                     plane_columns, plane_tile, prefetch_loop, sum_splits, tile_reader, unit,
                                     x_operand)
 from pallas_kernels.tile_ptx import mma_dtype, plane_tile_mma, tile_math, weight_gain
-from pallas_kernels.tiles import dot_tile
+from pallas_kernels.tiles import as_float32, dot_tile
 
-GEMV_FORMATS = ("Q5_K", "Q8_0")  # one token of Q4_K/Q6_K takes the int8-activation GEMV (gemv_int8.py)
 # (rows of W per program, columns per K step, warps) of the GEMV: the best single choice of a sweep on an H100 over the
 # 27B's Q4_K, Q5_K and Q6_K shapes at M = 1 (scripts/qmatmul_gemv_probe.py generic, 4 warps), and its pipeline stages
 GEMV_TILES = (8, 512, 4)
@@ -167,8 +170,10 @@ def _from_tiles(tiles: dict[str, jax.Array]):
     return (lambda name, *idx: tiles[f"{name}{idx}"]), (lambda plane: tiles[f"x{plane}"])
 
 
-def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], *refs):
-    # x_ref [planes, units, *UNIT_SHAPE] float32; w_refs [N, units, ...]; o_ref [splits, 1, N']
+def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], math: str,
+                 interpret: bool, *refs):
+    # x_ref [planes, units, *UNIT_SHAPE] bf16 or float16 (as `mma` rounds it); w_refs [N, units, ...]; o_ref
+    # [splits, 1, N']
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
@@ -178,11 +183,11 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
     def reader(i, valid):
         i = split * steps + i
         return (tile_reader(w, r0, row_ok, block_n, i * step, step, valid),
-                lambda plane: x_ref[plane, pl.ds(i * step, step)])
+                lambda plane: x_ref[plane, pl.ds(i * step, step)].astype(jnp.float32))
 
     def compute(get, x_tile, acc):
         for plane in range(n_planes):
-            acc = acc + plane_tile(fmt, plane, get) * x_tile(plane)[None]
+            acc = acc + gemv_tile(fmt, plane, get, math, interpret) * x_tile(plane)[None]
         return acc
 
     # the products accumulate elementwise; rows are summed once, after the K loop
@@ -194,25 +199,35 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
     o_ref[split, 0, pl.ds(r0, block_n)] = acc
 
 
+def gemv_tile(fmt: str, plane: int, get, math: str, interpret: bool) -> jax.Array:
+    """A plane tile in float32 holding the weights as the tensor-core kernel rounds them under `math` (times its
+    gain): `plane_tile_mma`, by the same inline PTX on a GPU, for Q4_K/Q6_K; `plane_tile` rounded to bf16 for the
+    others."""
+    if fmt in PTX_FORMATS:
+        return as_float32(plane_tile_mma(fmt, plane, get, not interpret, math), interpret)
+    return as_float32(plane_tile(fmt, plane, get).astype(jnp.bfloat16), interpret)
+
+
 def gemv(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, block_n: int | None = None,
          columns: int | None = None, splits: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None) -> jax.Array:
-    """x [1, K] @ W^T -> [1, N] float32 for a Q5_K/Q8_0 weight: x rounded to bf16, the weights dequantized in
-    float32; tiles default to `GEMV_TILES` and `GEMV_STAGES`, K splits to qcommon.default_splits at a target of
-    2048 programs. qmatmul calls it inside its jit."""
+    """x [1, K] @ W^T -> [1, N] float32, x and the weights rounded as `mma` rounds them (`gemv_tile`); tiles
+    default to `GEMV_TILES` and `GEMV_STAGES`, K splits to qcommon.default_splits at a target of 2048 programs.
+    qmatmul calls it inside its jit."""
     n, k = pw.shape
-    if pw.fmt not in GEMV_FORMATS or x.shape != (1, k):
-        raise ValueError(f"the float GEMV takes one row of x and a {' or '.join(GEMV_FORMATS)} weight, got x "
-                         f"{x.shape} and {pw.fmt} (one token of Q4_K/Q6_K: gemv_int8)")
+    if x.shape != (1, k):
+        raise ValueError(f"the float GEMV takes one row of x with {k} columns, got x {x.shape}")
     bn, cols, warps = GEMV_TILES
     block_n, columns, num_warps = block_n or bn, columns or cols, num_warps or warps
     step, steps, splits = k_steps(pw.fmt, n, k, block_n, columns, splits, target=2048)
-    xp = x_operand(x, "f32")[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)
-    xp = xp.astype(jnp.float32).reshape((xp.shape[0], -1) + UNIT_SHAPE[pw.fmt])
+    math = tile_math(pw)
+    # x goes in rounded, as its own dtype: a float32 copy of it made outside the kernel is a round trip XLA may drop
+    xp = x_operand(x, math)[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)
+    xp = xp.reshape((xp.shape[0], -1) + UNIT_SHAPE[pw.fmt])
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(
-        functools.partial(_gemv_kernel, pw.fmt, n, step, steps, block_n, names),
+        functools.partial(_gemv_kernel, pw.fmt, n, step, steps, block_n, names, math, interpret),
         out_shape=jax.ShapeDtypeStruct((splits, 1, tiles * block_n), jnp.float32),
         grid=(tiles, splits),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages or GEMV_STAGES),
@@ -220,9 +235,3 @@ def gemv(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, block_n: in
         name=f"gemv_{pw.fmt.lower()}",
     )(xp, *(pw.data[name] for name in names))
     return sum_splits(out, 1, n)
-
-
-def gemv_reference(x: jax.Array, pw: PackedWeight) -> jax.Array:
-    """x [1, K] @ W^T -> [1, N] float32 with x rounded to bf16 and the weights exact, as `gemv` takes them."""
-    return jnp.einsum("mk,nk->mn", x_operand(x, "f32").astype(jnp.float32), dequantize_packed(pw),
-                      precision=jax.lax.Precision.HIGHEST)

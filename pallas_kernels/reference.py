@@ -7,8 +7,13 @@ mask follows parent pointers. Symbols follow DESIGN: gamma, A, T, U, W, S0.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+# every product in exact float32: on a GPU XLA's default is TF32, and only for some shapes
+_einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
 def _f32(x: jax.Array) -> jax.Array:
@@ -54,19 +59,19 @@ def gdn_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     incl = anc.astype(jnp.float32)
     eye = jnp.eye(anc.shape[0], dtype=jnp.float32)
     strict = incl * (1.0 - eye)
-    gamma = jnp.einsum("ij,jh->ih", incl, g)  # sum of g over each token's path, itself included
+    gamma = _einsum("ij,jh->ih", incl, g)  # sum of g over each token's path, itself included
     diff = gamma[:, None, :] - gamma[None, :, :]  # [i, j, H]: gamma_i - gamma_j
     decay_incl = jnp.where(anc[:, :, None], jnp.exp(jnp.where(anc[:, :, None], diff, 0.0)), 0.0)
     decay_strict = decay_incl * strict[:, :, None]
-    A = beta[:, None, :] * jnp.einsum("ihd,jhd->ijh", k, k) * decay_strict  # [i, j, H]
+    A = beta[:, None, :] * _einsum("ihd,jhd->ijh", k, k) * decay_strict  # [i, j, H]
     rhs_u = jnp.moveaxis(beta[:, :, None] * v, 1, 0)  # [H, N, dv]
     rhs_w = jnp.moveaxis((beta * jnp.exp(gamma))[:, :, None] * k, 1, 0)  # [H, N, dk]
     t = unit_lower_inverse(jnp.moveaxis(A, 2, 0))  # T = (I + A)^-1, [H, N, N]
-    U, W = t @ rhs_u, t @ rhs_w  # T (beta V), T (beta exp(gamma) K)
-    v_new = U - jnp.einsum("hnk,hkv->hnv", W, s0)  # V' = U - W S0
-    qs = jnp.einsum("nhk,hkv->hnv", jnp.exp(gamma)[:, :, None] * q, s0)
-    scores = jnp.einsum("ihd,jhd->hij", q, k) * jnp.moveaxis(decay_incl, 2, 0)
-    o = qs + jnp.einsum("hij,hjv->hiv", scores, v_new)
+    U, W = (_einsum("hij,hjk->hik", t, r) for r in (rhs_u, rhs_w))  # T (beta V), T (beta exp(gamma) K)
+    v_new = U - _einsum("hnk,hkv->hnv", W, s0)  # V' = U - W S0
+    qs = _einsum("nhk,hkv->hnv", jnp.exp(gamma)[:, :, None] * q, s0)
+    scores = _einsum("ihd,jhd->hij", q, k) * jnp.moveaxis(decay_incl, 2, 0)
+    o = qs + _einsum("hij,hjv->hiv", scores, v_new)
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(v_new, 0, 1), gamma
 
 
@@ -79,7 +84,7 @@ def gdn_path_state(k: jax.Array, v_new: jax.Array, gamma: jax.Array, s0: jax.Arr
     """
     gamma_a = gamma[leaf]  # [H]
     w = jnp.where(path[:, None], jnp.exp(jnp.where(path[:, None], gamma_a[None, :] - gamma, 0.0)), 0.0)
-    return jnp.exp(gamma_a)[:, None, None] * _f32(s0) + jnp.einsum("nh,nhk,nhv->hkv", w, _f32(k), v_new)
+    return jnp.exp(gamma_a)[:, None, None] * _f32(s0) + _einsum("nh,nhk,nhv->hkv", w, _f32(k), v_new)
 
 
 def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
@@ -114,9 +119,9 @@ def gdn_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     def step(state, xs):
         qt, kt, vt, gt, bt = xs  # [H, dk], [H, dk], [H, dv], [H], [H]
         state = jnp.exp(gt)[:, None, None] * state
-        delta = bt[:, None] * (vt - jnp.einsum("hkv,hk->hv", state, kt))
-        state = state + jnp.einsum("hk,hv->hkv", kt, delta)
-        return state, jnp.einsum("hkv,hk->hv", state, qt)
+        delta = bt[:, None] * (vt - _einsum("hkv,hk->hv", state, kt))
+        state = state + _einsum("hk,hv->hkv", kt, delta)
+        return state, _einsum("hkv,hk->hv", state, qt)
 
     state, o = jax.lax.scan(step, _f32(s0), tuple(map(_f32, (q, k, v, g, beta))))
     return o, state
@@ -130,10 +135,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     n, hq, d = q.shape
     hkv = k.shape[1]
     qg = _f32(q).reshape(n, hkv, hq // hkv, d)
-    scores = jnp.einsum("ngrd,sgd->grns", qg, _f32(k)) / jnp.sqrt(jnp.float32(d))
+    scores = _einsum("ngrd,sgd->grns", qg, _f32(k)) / jnp.sqrt(jnp.float32(d))
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("grns,sgd->ngrd", probs, _f32(v)).reshape(n, hq, d)
+    return _einsum("grns,sgd->ngrd", probs, _f32(v)).reshape(n, hq, d)
 
 
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
@@ -157,4 +162,4 @@ def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array) -> jax.Ar
     """The causal depthwise conv along each token's path, then SiLU: conv_in [R, C] (committed conv inputs, then
     the block's), index [N, K] (the rows token n reads, oldest first), weight [C, K] -> [N, C] float32."""
     windows = _f32(conv_in)[index]  # [N, K, C]
-    return jax.nn.silu(jnp.einsum("nkc,ck->nc", windows, _f32(weight)))
+    return jax.nn.silu(_einsum("nkc,ck->nc", windows, _f32(weight)))

@@ -11,7 +11,11 @@ grid is (row tiles, KV heads, splits + 1): program `split < splits` streams one 
 (split over the committed length, which is dynamic, so every split gets work at any context), the last program
 attends to the block's keys under the mask. Each writes its softmax partial (max, sum, unnormalised output); a jnp
 epilogue merges them by log-sum-exp. Keys and values are read as stored (float32 or bf16) and multiplied in bf16
-with float32 accumulation. Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
+with float32 accumulation. The softmax weights p = exp(s - running max) go into the value product as two bf16 terms
+(`exact`, the default: hi + lo, about 16 significant bits): one bf16 term rounds p relative to a running max that
+depends on where the keys fall (in the prefix or in the block, and the split boundaries move with the committed
+length), so a position's output would depend on how many tokens were verified with it. Pallas Triton backend;
+`interpret=True` runs it on CPU for the tests.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.tiles import dot_tile
+from pallas_kernels.tiles import as_float32, dot_tile
 
 NEG = -1e30  # finite "minus infinity": an all-masked row keeps max NEG, sum 0, and no NaN
 
@@ -59,8 +63,8 @@ def default_splits(slots: int) -> int:
     return max(1, min(32, -(-slots // 1024)))
 
 
-def _kernel(splits: int, br: int, block_k: int, len_ref, layer_ref, q_ref, lo_ref, mask_ref, kc_ref, vc_ref, kb_ref,
-            vb_ref, o_ref, m_ref, l_ref):
+def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, len_ref, layer_ref, q_ref, lo_ref,
+            mask_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, l_ref):
     r_tile, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(r_tile * br, br)
     q = q_ref[h, rows, :]  # [br, d] bf16, scaled
@@ -74,8 +78,13 @@ def _kernel(splits: int, br: int, block_k: int, len_ref, layer_ref, q_ref, lo_re
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        pv = jax.lax.dot_general(p.astype(jnp.bfloat16), v.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+        vb = v.astype(jnp.bfloat16)
+        pv_dot = lambda a: jax.lax.dot_general(a, vb, (((1,), (0,)), ((), ())),  # noqa: E731
+                                               preferred_element_type=jnp.float32)
+        p_hi = p.astype(jnp.bfloat16)
+        pv = pv_dot(p_hi)
+        if exact:
+            pv = pv + pv_dot((p - as_float32(p_hi, interpret)).astype(jnp.bfloat16))
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
     init = (jnp.full((br,), NEG, jnp.float32), jnp.zeros((br,), jnp.float32), jnp.zeros((br, d), jnp.float32))
@@ -115,11 +124,11 @@ def _kernel(splits: int, br: int, block_k: int, len_ref, layer_ref, q_ref, lo_re
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "block_rows", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "interpret", "exact"))
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
                    v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
                    splits: int | None = None, block_rows: int | None = None, block_k: int = 64, num_warps: int = 4,
-                   num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                   num_stages: int | None = None, interpret: bool = False, exact: bool = True) -> jax.Array:
     """Attention of q [N, Hq, d] over k/v_cache [S, Hkv, d] slots prefix_lo[i]..length-1 and the block's own
     k/v_blk [N, Hkv, d] where blk_mask [N, N]; float32 [N, Hq, d]. Every query must see at least one key.
 
@@ -156,7 +165,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     kb, vb = (jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, n_pad - n), (0, 0))) for x in (k_blk, v_blk))
     parts = splits + 1
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, splits, block_rows, block_k),
+        functools.partial(_kernel, splits, block_rows, block_k, exact, interpret),
         out_shape=(jax.ShapeDtypeStruct((hkv, parts, r_pad, d), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32)),

@@ -15,9 +15,10 @@ The JSON is rewritten after each section (`--time_limit` keeps what finished); a
 
 The engine and kernel configuration come from the flags `generate` takes (--budget, --topk, --chain_seed, --kv_dtype,
 --mgpu; plus --impl and --small_rows), resolved by the same function (dflash_jax/defaults.py): with no flags the
-benchmark runs what `generate` runs on this device, for a DDTree. The pair is laid out once, for the tree modes, so
-the AR rows run that layout too (on Hopper: one-token products on the Mosaic GPU kernel, where `generate --mode ar`
-keeps the Triton layout for its int8 GEMV).
+benchmark runs what `generate` runs on this device, for a DDTree. The pair is laid out once, for the tree modes, and
+the AR rows run that layout too (every device class lays out ar as it does the tree modes). Each forced run records
+where its tokens first differ from AR's (`differs_from_ar_at`: None where they are equal, speculative decoding's
+exactness on the 27B).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import add_engine_flags, copy_rate, engine_settings, environment, fit_verify_cost  # noqa: E402
+from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference,  # noqa: E402
+                      fit_verify_cost)
 
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
@@ -221,12 +223,14 @@ def forced_run(engine: Engine, draft, prompt: list[int], sequence: list[int], er
         engine.dparams = forced_params(engine, draft, len(prompt), seq, error_rate)
         gen = engine.generate(prompt, n_gen, NO_STOPS)
         follows = gen.tokens == seq[:len(gen.tokens)]
+        if attempt == 0:  # speculative decoding's exactness: the first run against AR's own tokens
+            first_diff = first_difference(gen.tokens, seq[:len(gen.tokens)])
         if follows or attempt == realign:
             break
         seq = gen.tokens + seq[len(gen.tokens):]
     row = dict(error_rate=error_rate, accept_length=gen.mean_accept_length, tokens_per_s=gen.steady_tokens_per_s,
                steps=gen.steps, ms_per_step=1e3 * (gen.decode_s - gen.first_step_s) / max(gen.steps - 1, 1),
-               follows_sequence=follows, realigned=attempt)
+               follows_sequence=follows, realigned=attempt, differs_from_ar_at=first_diff)
     return row, seq
 
 
@@ -446,12 +450,15 @@ def run(args: argparse.Namespace) -> None:
             row, _ = forced_run(engine, draft, prompt, sequence, rate_for_steps, args.n_gen)
             row = dict(mode=mode, budget=budget, phases_ms=phases, step_ms=row["ms_per_step"],
                        step_over_ar=row["ms_per_step"] / ar_ms, accept_length=row["accept_length"],
-                       tokens_per_s=row["tokens_per_s"], follows_sequence=row["follows_sequence"])
+                       tokens_per_s=row["tokens_per_s"], follows_sequence=row["follows_sequence"],
+                       differs_from_ar_at=row["differs_from_ar_at"])
             if not res["steps"]:
                 res["oracle_ms"] = oracle_ms(engine, args.iters)
             res["steps"].append(row)
+            diff = row["differs_from_ar_at"]
             log(f"{mode} {budget}: step {row['step_ms']:.2f} ms ({row['step_over_ar']:.2f} x AR), AL "
-                f"{row['accept_length']:.2f}, {row['tokens_per_s']:.1f} tok/s; phases " +
+                f"{row['accept_length']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
+                f"{'equal to AR' if diff is None else f'differs from AR at token {diff}'}; phases " +
                 ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "verify_tokens"))
             save()
 

@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import IMPLS, KV_DTYPES, EngineConfig, KernelConfig
+from dflash_jax.config import DRAFT_RULES, IMPLS, KV_DTYPES, NUMERICS, EngineConfig, KernelConfig
 from dflash_jax.generate import resolve_flags
 
 
@@ -39,6 +39,10 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
     ap.add_argument("--nochain_seed", dest="chain_seed", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--small_rows", type=int, default=None,
                     help="quantized matrices of fewer rows go to XLA's product as float32 (default: KernelConfig's)")
+    ap.add_argument("--numerics", choices=NUMERICS, default=None,
+                    help="exact (speculative decoding emits what AR emits) or fast (not exact); default: the device's")
+    ap.add_argument("--draft_rule", choices=DRAFT_RULES, default="coupled",
+                    help="what a sampled step builds its tree from (generate's --draft_rule)")
 
 
 def engine_settings(args: argparse.Namespace) -> tuple[EngineConfig, KernelConfig]:
@@ -46,6 +50,14 @@ def engine_settings(args: argparse.Namespace) -> tuple[EngineConfig, KernelConfi
     `serve` resolve theirs with."""
     max_ctx = getattr(args, "max_ctx", EngineConfig.max_ctx)  # scripts that fit the context to their prompts set it
     return resolve_flags(args, max_ctx=max_ctx, impl=args.impl, small_rows=args.small_rows)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where token lists a and b differ (the shorter's length where one is a prefix of the other),
+    None if they are equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def median_seconds(fn, *args, iters: int = 10) -> float:

@@ -12,24 +12,27 @@ MODES = ("ar", "chain", "ddtree")
 
 
 def test_this_machine_gets_its_row_of_the_table():
-    """With no choices, this machine's class decides (on a CPU: the reference path, float32 caches, budget 8)."""
+    """With no choices, this machine's class decides (on a CPU: the reference path, exact numerics, float32 caches,
+    budget 8)."""
     device = device_class()
     assert device == device_class(jax.devices()[0]) == ("cpu" if jax.default_backend() == "cpu" else device)
     assert resolve_kernels() == resolve_kernels(device=device) and resolve_engine() == resolve_engine(device=device)
     if device == "cpu":
-        assert resolve_kernels() == KernelConfig(impl="reference", interpret=False, mgpu="off", small_rows=64)
+        assert resolve_kernels() == KernelConfig(impl="reference", interpret=False, mgpu="off", small_rows=64,
+                                                 numerics="exact")
         assert resolve_engine() == EngineConfig(mode="ddtree", budget=8, kv_dtype="float32")
 
 
 @pytest.mark.parametrize("device, want", [
-    ("cpu", ("reference", False, "off", "off")),
-    ("gpu", ("pallas", False, "off", "off")),
-    ("hopper", ("pallas", False, "off", "only")),  # ar keeps the Triton layout for its one-token int8 GEMV
+    ("cpu", ("reference", False, "off", "off", "exact")),
+    ("gpu", ("pallas", False, "off", "off", "fast")),
+    ("hopper", ("pallas", False, "only", "only", "fast")),  # every mode multiplies the same rounded weights
 ])
 def test_each_device_class_gets_its_row_of_the_table(device, want):
-    impl, interpret, ar_layout, tree_layout = want
+    impl, interpret, ar_layout, tree_layout, numerics = want
     got = {mode: resolve_kernels(mode, device=device) for mode in MODES}
     assert {k.impl for k in got.values()} == {impl} and {k.interpret for k in got.values()} == {interpret}
+    assert {k.numerics for k in got.values()} == {numerics}
     assert [got[m].mgpu for m in MODES] == [ar_layout, tree_layout, tree_layout]
     ecfg = resolve_engine("ddtree", device=device)
     assert (ecfg.kv_dtype, ecfg.budget) == (DEVICE_DEFAULTS[device].kv_dtype, DEVICE_DEFAULTS[device].budget)
@@ -37,14 +40,19 @@ def test_each_device_class_gets_its_row_of_the_table(device, want):
 
 
 def test_flags_override_the_table():
-    assert resolve_kernels("ar", mgpu=True, device="hopper").mgpu == "beside"  # both layouts for ar
+    assert resolve_kernels("ar", mgpu=True, device="hopper").mgpu == "only"
+    assert resolve_kernels("ar", mgpu=False, device="hopper").mgpu == "off"
     assert resolve_kernels("ddtree", mgpu=True, device="hopper").mgpu == "only"
+    assert resolve_kernels(numerics="exact", device="gpu").numerics == "exact"
+    assert resolve_kernels(numerics="fast", device="cpu").numerics == "fast"
     assert resolve_kernels("ddtree", mgpu=False, device="hopper").mgpu == "off"
     assert resolve_kernels(impl="pallas", device="cpu") == KernelConfig(impl="pallas", interpret=True)
     assert resolve_kernels(impl="reference", device="hopper").mgpu == "off"
     assert resolve_kernels(small_rows=0, device="gpu").small_rows == 0
-    ecfg = resolve_engine("chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_dtype="bfloat16", device="cpu")
-    assert ecfg == EngineConfig(mode="chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_dtype="bfloat16")
+    ecfg = resolve_engine("chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_dtype="bfloat16",
+                          draft_rule="tempered", device="cpu")
+    assert ecfg == EngineConfig(mode="chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_dtype="bfloat16",
+                                draft_rule="tempered")
 
 
 @pytest.mark.parametrize("call, message", [
@@ -53,6 +61,9 @@ def test_flags_override_the_table():
     (lambda: resolve_kernels(impl="triton"), "impl must be one of auto, reference, pallas"),
     (lambda: resolve_kernels(device="tpu"), "device class 'tpu'"),
     (lambda: resolve_engine(kv_dtype="float16"), "kv_dtype must be one of float32, bfloat16"),
+    (lambda: resolve_engine(draft_rule="greedy"), "draft_rule must be one of coupled, tempered, plain"),
+    (lambda: resolve_kernels(numerics="approx"), "numerics must be one of exact, fast"),
+    (lambda: KernelConfig(numerics="approx"), "numerics 'approx'"),
     (lambda: KernelConfig(impl="pallas", interpret=True, mgpu="only"), "needs impl 'pallas' on a Hopper GPU"),
     (lambda: KernelConfig(mgpu="both"), "mgpu layout 'both'"),
     (lambda: KernelConfig(impl="reference", interpret=True), "interpret mode is for the Pallas kernels"),

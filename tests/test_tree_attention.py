@@ -139,3 +139,26 @@ def test_real_shapes_on_gpu(who, n, hq, hkv, d, context, kind, dtype):
         blk, lo = sliding(n, context - 5, window=2048)
     args = (q, kc, vc, jnp.int32(context - 5), kb, vb, jnp.asarray(blk), jnp.asarray(lo))
     assert rel(tree_attention(*args), ref.tree_attention(*args)) < 1e-2, who
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_token_sees_the_same_in_a_chain_as_alone(dtype):
+    """The last token of a 9-token chain verified on top of 150 committed slots, and the same token alone after the
+    other 8 were committed (AR): the same keys, split otherwise between the cache and the block and over other
+    prefix splits. With `exact` the outputs agree to float32 summation order; one bf16 term for the softmax weights
+    (exact=False) rounds them against another running maximum and differs by about bf16's precision."""
+    n, length, slots = 9, 150, 256
+    q, kc, vc, kb, vb = inputs(7, n, 6, 2, 64, slots, dtype)
+    kb, vb = kb.astype(dtype), vb.astype(dtype)  # the block's keys as the cache will hold them (models/target.py)
+    chain = jnp.asarray(np.tril(np.ones((n, n), bool)))
+    lo = jnp.zeros(n, jnp.int32)
+    kc_ar, vc_ar = kc.at[length:length + n - 1].set(kb[:-1]), vc.at[length:length + n - 1].set(vb[:-1])
+    one = jnp.ones((1, 1), bool)
+    got = {}
+    for exact in (True, False):
+        opts = dict(interpret=not ON_GPU, exact=exact, splits=3)
+        tree = tree_attention(q, kc, vc, jnp.int32(length), kb, vb, chain, lo, **opts)[-1]
+        alone = tree_attention(q[-1:], kc_ar, vc_ar, jnp.int32(length + n - 1), kb[-1:], vb[-1:], one, lo[:1],
+                               **opts)[0]
+        got[exact] = rel(alone, tree)
+    assert got[True] < 2e-6 and got[False] > 1e-4, got

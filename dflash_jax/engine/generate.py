@@ -12,6 +12,7 @@ import numpy as np
 
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
+from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
 from dflash_jax.kernels import REFERENCE
@@ -21,6 +22,14 @@ from dflash_jax.models.target import init_state
 # the drafter's state is donated: each prompt chunk writes its context cache in place
 _extend = jax.jit(lambda drafter, params, state, taps, n: drafter.extend(params, state, taps, n),
                   static_argnums=(0,), donate_argnums=(2,))
+
+
+
+@jax.jit
+def _first_token(logits: jax.Array, position: jax.Array, sampling: Sampling | None) -> jax.Array:
+    """The token a prompt's last logits [V] draw at absolute `position` (the step's rule, for one row)."""
+    noise = None if sampling is None else gumbel_noise(sampling.seed, position[None], logits.shape[-1])
+    return sample(logits[None], noise, sampling)[0]
 
 
 @dataclasses.dataclass
@@ -88,7 +97,8 @@ class Engine:
                    kcfg=target.kcfg)
 
     def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
-              after: DecodeState | None = None, keep_pending: bool = True) -> tuple[DecodeState, int]:
+              after: DecodeState | None = None, keep_pending: bool = True,
+              sampling: SamplingParams = GREEDY) -> tuple[DecodeState, int]:
         """Prefill a prompt: the decode state and the first generated token (already counted against n_gen).
 
         With `after` (a finished generation's state, which this consumes), the prompt continues that context: only
@@ -117,7 +127,7 @@ class Engine:
                                                         taps=taps, kcfg=self.kcfg):
             if self.drafter:
                 dstate = _extend(self.drafter, self.dparams, dstate, tapped, jnp.int32(n))
-        first = int(jnp.argmax(logits))
+        first = int(_first_token(logits, jnp.int32(committed + len(ids)), sampling.device()))
         done = first in stop_ids or n_gen == 1
         state = DecodeState(target=tstate, draft=dstate, root=jnp.int32(first), remaining=jnp.int32(n_gen - 1),
                             done=jnp.bool_(done))
@@ -130,31 +140,35 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
                  on_tokens: Callable[[list[int]], None] | None = None, after: DecodeState | None = None,
-                 keep_pending: bool = True) -> Generation:
-        """Greedy generation of up to n_gen tokens, ending after a stop token; on_tokens streams them.
+                 keep_pending: bool = True, sampling: SamplingParams = GREEDY) -> Generation:
+        """Generation of up to n_gen tokens (greedy, or sampled as `sampling` says), ending after a stop token;
+        on_tokens streams them.
 
         on_tokens may return True to end the generation there (a stop string, a client gone); the result then has
         no state to continue from. `after` continues from a previous Generation's `state` (see `start`)."""
         self.stop_array(stop_ids)  # checked before any compute
         t0 = time.perf_counter()
-        state, first = self.start(prompt_ids, n_gen, stop_ids, after, keep_pending)
+        state, first = self.start(prompt_ids, n_gen, stop_ids, after, keep_pending, sampling)
         jax.block_until_ready(state)
-        return self.decode(state, first, n_gen, stop_ids, on_tokens, prefill_s=time.perf_counter() - t0)
+        return self.decode(state, first, n_gen, stop_ids, on_tokens, prefill_s=time.perf_counter() - t0,
+                           sampling=sampling)
 
     def decode(self, state: DecodeState, first: int, n_gen: int, stop_ids: Sequence[int] = (),
-               on_tokens: Callable[[list[int]], None] | None = None, prefill_s: float = 0.0) -> Generation:
+               on_tokens: Callable[[list[int]], None] | None = None, prefill_s: float = 0.0,
+               sampling: SamplingParams = GREEDY) -> Generation:
         """The step loop of `generate` from a prefilled state whose pending token `first` is already emitted
-        (state.remaining counts the rest of n_gen); consumes the state."""
+        (state.remaining counts the rest of n_gen); consumes the state. `sampling` must be what `start` used."""
         stops = self.stop_array(stop_ids)
+        params = sampling.device()
         t1 = time.perf_counter()
         tokens, lengths, off_spine, first_step_s = [first], [], 0, 0.0
         halted = bool(on_tokens and on_tokens([first]))
         stopped = first in stop_ids
         finished = stopped or n_gen == 1 or halted
         if not finished:
-            state, current = self.step(self.tparams, self.dparams, state, stops)
+            state, current = self.step(self.tparams, self.dparams, state, stops, params)
         while not finished:
-            state, following = self.step(self.tparams, self.dparams, state, stops)  # queued before the read below
+            state, following = self.step(self.tparams, self.dparams, state, stops, params)  # queued before the read
             count = int(current.count)
             if not lengths:
                 first_step_s = time.perf_counter() - t1

@@ -1,8 +1,12 @@
 """One speculative decoding step as a single jitted function (DESIGN.md "One step"), state donated.
 
-draft -> tree -> target verify -> greedy acceptance walk -> commit, all on the device. The pending root token
-(the previous step's bonus) is verified as node 0; the step emits the accepted nodes' tokens and the new bonus.
-Modes: `ar` (the root alone), `chain` (the draft's greedy block as a chain), `ddtree` (best-first tree).
+draft -> tree -> target verify -> acceptance walk -> commit, all on the device. The pending root token (the
+previous step's bonus) is verified as node 0; the step emits the accepted nodes' tokens and the new bonus.
+Modes: `ar` (the root alone), `chain` (the draft's block as a chain), `ddtree` (best-first tree).
+
+Each node draws the token after it: the target's argmax (greedy) or, with a `Sampling` argument, the coupled Gumbel
+rule of dflash_jax/engine/sampling.py with the noise of that token's absolute position. The walk follows the child
+equal to its parent's draw, so every emitted token is the one AR would emit.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DraftConfig, EngineConfig, KernelConfig, TargetConfig
+from dflash_jax.engine.sampling import Sampling, draft_scores, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState
 from dflash_jax.engine.tree import Tree, accept, build_tree, chain_tree
 from dflash_jax.kernels import REFERENCE
@@ -97,8 +102,9 @@ def step_tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None) -> 
     return build_tree(root, logits, ecfg.budget, min(ecfg.topk, ecfg.budget), ecfg.seeds_chain(logits.shape[0]))
 
 
-def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, *, tcfg: TargetConfig,
-          drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig) -> tuple[DecodeState, StepOut]:
+def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, sampling: Sampling | None = None, *,
+          tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig
+          ) -> tuple[DecodeState, StepOut]:
     width = emit_width(ecfg, drafter.block_size if drafter else 1)
     taps = drafter.taps if drafter else ()
 
@@ -109,13 +115,17 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
     # the host reading back its condition, which stops it queueing the next step).
     done = state.done
     position = state.target.length
+    # the noise of the tokens at positions position + 1 .. position + width, drawn by the nodes at depths 0..width-1
+    noise = None if sampling is None else gumbel_noise(sampling.seed, position + 1 + jnp.arange(width), tcfg.vocab_size)
     logits = None
     if ecfg.mode != "ar":
         logits = drafter.propose(dparams, state.draft, tparams, state.root, position, width - 1)
+        if sampling is not None:
+            logits = draft_scores(logits, noise[:width - 1], sampling, ecfg.draft_rule)
     tree = step_tree(ecfg, state.root, logits)
     tlogits, tapped, tstate, verified = target.verify(tparams, tcfg, state.target, tree.tokens, tree.parents, taps,
                                                       kcfg)
-    posterior = jnp.argmax(tlogits, axis=-1).astype(jnp.int32)
+    posterior = sample(tlogits, None if noise is None else noise[tree.depths], sampling)
     leaf = accept(tree, verified.block.anc, posterior, state.remaining - 1, stop_ids)
     tstate = target.commit(tstate, verified, leaf, kcfg, skip=done)
     depth = tree.depths[leaf]
@@ -143,7 +153,8 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
 
 @functools.lru_cache(maxsize=None)
 def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig = REFERENCE):
-    """The jitted step for one (target, drafter, engine, kernel) configuration; the state argument is donated."""
+    """The jitted step for one (target, drafter, engine, kernel) configuration: (tparams, dparams, state, stop_ids,
+    sampling) -> (state, StepOut), the state donated; sampling None (greedy) and a Sampling compile apart."""
     if ecfg.mode != "ar" and drafter is None:
         raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
     return jax.jit(functools.partial(_step, tcfg=tcfg, drafter=drafter, ecfg=ecfg, kcfg=kcfg), donate_argnums=(2,))

@@ -1,0 +1,118 @@
+"""Does speculative decoding emit what AR emits? Each prompt decoded in ar, chain and DDTree at the budgets asked,
+greedy or sampled with a seed, and every configuration's tokens compared with AR's.
+
+    python scripts/exactness.py --target T.gguf --draft DIR --sets humaneval --budgets 8,22 \
+        --temperature 0.7 --top_p 0.95 --seed 0 --out results.json
+
+With no --target/--draft it checks the pair shipped in the package. Per configuration it prints how many prompts are
+identical to AR; for each that is not, the first position where they differ and the margin there: the gap between
+the two best logits (greedy) or the two best perturbed scores (sampling: logits / T, filtered, plus the position's
+Gumbel noise) of a teacher-forced forward of the prompt and AR's common prefix, and that gap over the largest
+|logit| ("rel"). A divergence at a margin of a few float32 roundings of the logits is a near-tie, which summation
+order alone can flip; a large margin is a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchlib import add_engine_flags, engine_settings, environment, first_difference  # noqa: E402
+
+
+def margin(target, prompt: list[int], common: list[int], sp, kv_dtype: str) -> dict:
+    """The decision margin at the token after prompt + common: top-2 gap of the logits or the perturbed scores."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax.engine.sampling import gumbel_noise, perturbed_scores
+    from dflash_jax.score import score
+
+    ids = np.asarray(prompt + common)
+    logits = jnp.asarray(score(target, ids, kv_dtype=kv_dtype).logits[-1:])
+    scores = logits
+    if not sp.greedy:
+        noise = gumbel_noise(jnp.uint32(sp.seed), jnp.asarray([len(ids)]), logits.shape[-1])
+        scores = perturbed_scores(logits, noise, sp.device())
+    top2 = np.sort(np.asarray(scores[0], np.float64))[-2:]
+    gap = float(top2[1] - top2[0])
+    scale = float(np.max(np.abs(np.asarray(logits))))
+    return {"margin": gap, "rel": gap / scale if scale else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="default: the shipped pair")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--sets", default="humaneval", help="comma-separated: humaneval, or JSONL paths")
+    ap.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0: all)")
+    ap.add_argument("--n_gen", type=int, default=128)
+    ap.add_argument("--budgets", default="8,22", help="DDTree budgets (ar and chain always run)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top_p", type=float, default=1.0)
+    ap.add_argument("--top_k", type=int, default=0)
+    ap.add_argument("--min_p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="results JSON")
+    add_engine_flags(ap)
+    args = ap.parse_args(argv)
+
+    from dflash_jax import assets, prompt_sets
+    from dflash_jax.engine.generate import Engine
+    from dflash_jax.engine.sampling import SamplingParams
+    from dflash_jax.load import load_draft, load_target
+    from dflash_jax.tokenizer import load_tokenizer
+
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        seed=args.seed)
+    target_path, draft_path = args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
+    base, kcfg = engine_settings(args)  # as generate resolves its flags
+    target = load_target(target_path, progress=False, kcfg=kcfg)
+    draft = load_draft(draft_path, target.config, progress=False, kcfg=kcfg)
+    tok = load_tokenizer(target_path)
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    report = {**environment(), "target": str(target_path), "draft": str(draft_path), "n_gen": args.n_gen,
+              "sampling": dataclasses.asdict(sp), "kernels": dataclasses.asdict(kcfg), "kv_dtype": base.kv_dtype,
+              "command": " ".join(["scripts/exactness.py", *(argv if argv is not None else sys.argv[1:])]),
+              "sets": {}}
+    lines = [f"# {report['device']} ({report['backend']}), jax {report['jax']}, {report['date']}; "
+             f"{sp.describe()}; n_gen {args.n_gen}; {kcfg.describe()}; {base.kv_dtype} KV cache"]
+    for spec in args.sets.split(","):
+        prompts = [tok.encode(text) for _, text in prompt_sets.load(spec, args.limit)]
+        max_ctx = -(-(max(map(len, prompts)) + args.n_gen) // 256) * 256
+        name = Path(spec).stem if spec != "humaneval" else spec
+        rows = report["sets"][name] = []
+        reference = None
+        for mode, budget in [("ar", 0), ("chain", 0)] + [("ddtree", b) for b in budgets]:
+            ecfg = dataclasses.replace(base, mode=mode, budget=budget or base.budget, max_ctx=max_ctx)
+            engine = Engine.from_loaded(target, draft if mode != "ar" else None, ecfg)
+            outputs = [engine.generate(ids, args.n_gen, tok.stop_ids, sampling=sp).tokens for ids in prompts]
+            if reference is None:
+                reference = outputs
+                continue
+            diverged = []
+            for i, (got, want) in enumerate(zip(outputs, reference)):
+                at = first_difference(got, want)
+                if at is not None:
+                    diverged.append({"prompt": i, "position": at,
+                                     **margin(target, prompts[i], want[:at], sp, base.kv_dtype)})
+            label = f"{mode} {budget or ''}".strip()
+            rows.append({"mode": mode, "budget": budget or None, "same_as_ar": len(prompts) - len(diverged),
+                         "prompts": len(prompts), "diverged": diverged})
+            lines.append(f"{name:>10} {label:>10}: {len(prompts) - len(diverged)}/{len(prompts)} identical to AR"
+                         + "".join(f"\n{'':>12}prompt {d['prompt']}: differs at token {d['position']}, margin "
+                                   f"{d['margin']:.3g} (rel {d['rel']:.2g})" for d in diverged))
+            print(lines[-1], file=sys.stderr, flush=True)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(report, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
