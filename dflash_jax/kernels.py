@@ -67,11 +67,13 @@ def linear(x: jax.Array, w: Any, kcfg: KernelConfig) -> jax.Array:
     """x [..., in] @ w.T -> float32, for a dense array, a QTensor (reference) or a PackedWeight (the Pallas kernels,
     laid out for `kcfg` at load).
 
-    Every route rounds its operands the same way at any number of rows (docs/architecture.md, "Numerics"): the
-    kernels as their module says; with pallas a bf16 matrix (the drafter's) multiplies x rounded to bf16, float32
-    accumulation; other dense products are exact float32 (XLA's default on a GPU is TF32 for many rows, which a
-    one-row product does not use)."""
+    With exact numerics every route rounds its operands the same way at any number of rows (docs/architecture.md,
+    "Numerics"): the kernels as their module says; with pallas a bf16 matrix (the drafter's) multiplies x rounded to
+    bf16, float32 accumulation; other dense products are exact float32 (XLA's default on a GPU is TF32 for many
+    rows, which a one-row product does not use). "fast" leaves dense products at XLA's default precision."""
     if not isinstance(w, qm.PackedWeight):
+        if not kcfg.exact:
+            return reference_linear(x, w, precision=None)
         if kcfg.impl == "pallas" and getattr(w, "dtype", None) == jnp.bfloat16:
             return jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
         return reference_linear(x, w)

@@ -209,8 +209,9 @@ def take_rows(qt: QTensor, rows: jax.Array) -> QTensor:
     return QTensor(data=data, fmt=qt.fmt, shape=(rows.shape[0], qt.shape[1]))
 
 
-def linear(x: jax.Array, w: QTensor | jax.Array) -> jax.Array:
-    """x [..., in] @ w.T for a weight [out, in] stored dense or quantized (reference: dequantize, then an exact
-    float32 dot: HIGHEST keeps a GPU from TF32, which it would use for some shapes and not others)."""
+def linear(x: jax.Array, w: QTensor | jax.Array,
+           precision: jax.lax.Precision | None = jax.lax.Precision.HIGHEST) -> jax.Array:
+    """x [..., in] @ w.T for a weight [out, in] stored dense or quantized (reference: dequantize, then a float32 dot,
+    by default exact: HIGHEST keeps a GPU from TF32, which it would use for some shapes and not others)."""
     dense = dequantize(w) if isinstance(w, QTensor) else jnp.asarray(w, jnp.float32)
-    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dense, precision=precision)

@@ -9,8 +9,9 @@ picks the kernel by the weight (its static pytree structure, so the choice is in
   step 1.31x faster (28.1 -> 21.5 ms, scripts/results/tree_mgpu_ptx_h200.txt), the Q6_K one 21.67 -> 19.00 ms on an
   H100 (scripts/results/bench_27b_h100_mgpu_q6k_b.txt);
 - one token (M = 1): the float GEMV (qmatmul_triton.gemv), its operands rounded as the tensor-core kernel rounds
-  them, so that one token's product equals many tokens' up to the order of float32 sums; with `exact=False`, one
-  token of Q4_K/Q6_K takes the int8-activation GEMV instead (gemv_int8.py: faster, x rounded to int8, not exact);
+  them, so that one token's product equals many tokens' up to the float32 accumulation; with `exact=False`, one
+  token of Q4_K/Q6_K takes the int8-activation GEMV instead (gemv_int8.py: faster, x rounded to int8) and Q5_K/Q8_0
+  the float GEMV on the exact weights: neither rounds as the tensor-core kernel does;
 - 2-64 tokens of a weight that also carries the Mosaic GPU layout, on a GPU: that kernel;
 - else the Triton tensor-core kernel (qmatmul_triton.mma), its Q4_K/Q6_K tiles in packed float16 where float16 holds
   the weight, else in float32 rounded to bf16 (tile_ptx.py).
@@ -29,7 +30,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import gemv_int8, qmatmul_mgpu, qmatmul_mgpu_q6k, qmatmul_triton
 from pallas_kernels.ggml import k_scale_min
-from pallas_kernels.qcommon import M_MAX, QUANTIZED_FORMATS, PackedWeight, dequantize_packed, f16_fits, unit
+from pallas_kernels.qcommon import (M_MAX, QUANTIZED_FORMATS, PackedWeight, dequantize_packed, f16_fits, unit,
+                                    x_operand)
 
 MGPU_LAYOUTS = ("off", "beside", "only")  # pack's `mgpu`
 MGPU_MODULES = {"Q4_K": qmatmul_mgpu, "Q6_K": qmatmul_mgpu_q6k}  # the Mosaic GPU kernel of each format that has one
@@ -90,8 +92,11 @@ def qmatmul_reference(x: jax.Array, pw: PackedWeight, *, exact: bool = True) -> 
     tensor-core kernel, so its products of 2-64 tokens have this one reference on a GPU and in interpret mode."""
     if pw.mgpu_only:
         return MGPU_MODULES[pw.fmt].reference(x, pw.mgpu)
-    if x.shape[0] == 1 and not exact and pw.fmt in gemv_int8.FORMATS:
-        return gemv_int8.gemv_int8_reference(x, pw)
+    if x.shape[0] == 1 and not exact:
+        if pw.fmt in gemv_int8.FORMATS:
+            return gemv_int8.gemv_int8_reference(x, pw)
+        return jnp.einsum("mk,nk->mn", x_operand(x, "f32").astype(jnp.float32), dequantize_packed(pw),
+                          precision=jax.lax.Precision.HIGHEST)
     return qmatmul_triton.mma_reference(x, pw)
 
 
@@ -121,5 +126,5 @@ def qmatmul(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, exact: b
     if m == 1:
         if not exact and pw.fmt in gemv_int8.FORMATS:
             return gemv_int8.gemv_int8(x, pw, interpret=interpret, **tuning)
-        return qmatmul_triton.gemv(x, pw, interpret=interpret, **tuning)
+        return qmatmul_triton.gemv(x, pw, interpret=interpret, exact=exact, **tuning)
     return qmatmul_triton.mma(x, pw, interpret=interpret, **tuning)

@@ -9,11 +9,12 @@ splits K over several programs (`splits`), so that every multiprocessor streams,
 
 GEMV: no tensor cores and no shuffle into the product's operand layout; each program owns 8 rows, multiplies each
 plane's tile by the activations in the tile's own shape in float32, accumulates it, sums the rows once at the end,
-and loads one K step ahead of the one it computes (`GEMV_PREFETCH`). Its operands are rounded as the tensor-core
-kernel rounds them (float16 scaled by 2**F16_SHIFT where float16 holds the weight, else bf16): a product of two such
-values is exact in float32, so one token's products equal the tensor-core kernel's up to the order of the float32
-sums, and a position's logits do not depend on how many tokens are verified with it (docs/architecture.md,
-"Numerics"). On an H100 the GEMV was 1.0-1.7x faster per matrix than the tensor-core kernel at M = 1
+and loads one K step ahead of the one it computes (`GEMV_PREFETCH`). With `exact` its operands are rounded as the
+tensor-core kernel rounds them (float16 scaled by 2**F16_SHIFT where float16 holds the weight, else bf16): a product
+of two such values is exact in float32, so one token's products equal the tensor-core kernel's up to the float32
+accumulation (3-5e-6 of a 27B product on an H200), and a position's logits do not depend on how many tokens are
+verified with it (docs/architecture.md, "Numerics"); without, x is rounded to bf16 and the weights kept in float32.
+On an H100 the GEMV was 1.0-1.7x faster per matrix than the tensor-core kernel at M = 1
 (scripts/results/qmatmul_h100_gemv.json) and took the 27B's AR step from 23.5 to 16.0 ms
 (scripts/results/ar_one_token_h100.txt).
 """
@@ -172,8 +173,8 @@ def _from_tiles(tiles: dict[str, jax.Array]):
 
 def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], math: str,
                  interpret: bool, *refs):
-    # x_ref [planes, units, *UNIT_SHAPE] bf16 or float16 (as `mma` rounds it); w_refs [N, units, ...]; o_ref
-    # [splits, 1, N']
+    # x_ref [planes, units, *UNIT_SHAPE]: bf16 or float16 as `mma` rounds it (math given), else bf16 values in
+    # float32; w_refs [N, units, ...]; o_ref [splits, 1, N']
     x_ref, *w_refs, o_ref = refs
     w = dict(zip(names, w_refs))
     r0, split = pl.program_id(0) * block_n, pl.program_id(1)
@@ -202,28 +203,32 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
 def gemv_tile(fmt: str, plane: int, get, math: str, interpret: bool) -> jax.Array:
     """A plane tile in float32 holding the weights as the tensor-core kernel rounds them under `math` (times its
     gain): `plane_tile_mma`, by the same inline PTX on a GPU, for Q4_K/Q6_K; `plane_tile` rounded to bf16 for the
-    others."""
+    others; math None: the weights exact."""
+    if math is None:
+        return plane_tile(fmt, plane, get)
     if fmt in PTX_FORMATS:
         return as_float32(plane_tile_mma(fmt, plane, get, not interpret, math), interpret)
     return as_float32(plane_tile(fmt, plane, get).astype(jnp.bfloat16), interpret)
 
 
-def gemv(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, block_n: int | None = None,
+def gemv(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, exact: bool = True, block_n: int | None = None,
          columns: int | None = None, splits: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None) -> jax.Array:
-    """x [1, K] @ W^T -> [1, N] float32, x and the weights rounded as `mma` rounds them (`gemv_tile`); tiles
-    default to `GEMV_TILES` and `GEMV_STAGES`, K splits to qcommon.default_splits at a target of 2048 programs.
-    qmatmul calls it inside its jit."""
+    """x [1, K] @ W^T -> [1, N] float32: with `exact` x and the weights rounded as `mma` rounds them (`gemv_tile`),
+    else x rounded to bf16 and the weights exact; tiles default to `GEMV_TILES` and `GEMV_STAGES`, K splits to
+    qcommon.default_splits at a target of 2048 programs. qmatmul calls it inside its jit."""
     n, k = pw.shape
     if x.shape != (1, k):
         raise ValueError(f"the float GEMV takes one row of x with {k} columns, got x {x.shape}")
     bn, cols, warps = GEMV_TILES
     block_n, columns, num_warps = block_n or bn, columns or cols, num_warps or warps
     step, steps, splits = k_steps(pw.fmt, n, k, block_n, columns, splits, target=2048)
-    math = tile_math(pw)
-    # x goes in rounded, as its own dtype: a float32 copy of it made outside the kernel is a round trip XLA may drop
-    xp = x_operand(x, math)[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)
+    math = tile_math(pw) if exact else None
+    # exact: x goes in rounded, as its own dtype (a float32 copy of it made outside the kernel is a round trip XLA may
+    # drop); otherwise as float32, as the GEMV took it before `exact` (that kernel, unchanged, is the "fast" one)
+    xp = x_operand(x, math or "f32")[:, plane_columns(pw.fmt, k)].transpose(1, 0, 2)
     xp = xp.reshape((xp.shape[0], -1) + UNIT_SHAPE[pw.fmt])
+    xp = xp if exact else xp.astype(jnp.float32)
     names = tuple(sorted(pw.data))
     tiles = pl.cdiv(n, block_n)
     out = pl.pallas_call(

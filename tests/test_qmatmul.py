@@ -98,18 +98,19 @@ def test_kernel_matches_reference(fmt, n, k, m, loud):
 def test_one_token_is_a_row_of_many(fmt, loud):
     """The one-token GEMV rounds x and the weights as the tensor-core kernel does, so a row's product alone equals
     the same row among 23 others up to the order of float32 sums: speculative decoding's exactness rests on it.
-    With exact=False one token of Q4_K/Q6_K takes the int8-activation GEMV, int8's rounding away."""
+    With exact=False one token of Q4_K/Q6_K takes the int8-activation GEMV, int8's rounding away, and Q5_K/Q8_0
+    the float GEMV on the exact weights, bf16's."""
     qt = weight(fmt, 24, 512, seed=5, loud=loud)
     pw = packed(qt)
     x = jax.random.normal(jax.random.key(5), (23, 512), jnp.float32)
     many, one = qm.qmatmul(x, pw, interpret=True), qm.qmatmul(x[3:4], pw, interpret=True)
     assert rel(one, many[3:4]) < 1e-6
     assert rel(one, qm.qmatmul_reference(x[3:4], pw)) < 1e-5
+    fast = qm.qmatmul(x[3:4], pw, interpret=True, exact=False)
+    assert rel(fast, qm.qmatmul_reference(x[3:4], pw, exact=False)) < 1e-5
+    assert 1e-4 < rel(fast, many[3:4]) < INT8_X
     if fmt in gemv_int8.FORMATS:
-        fast = qm.qmatmul(x[3:4], pw, interpret=True, exact=False)
         assert rel(fast, gemv_int8.gemv_int8_reference(x[3:4], pw)) < 1e-5
-        assert rel(fast, qm.qmatmul_reference(x[3:4], pw, exact=False)) < 1e-5
-        assert 1e-4 < rel(fast, many[3:4]) < INT8_X
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
