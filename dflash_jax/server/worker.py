@@ -53,7 +53,8 @@ class Job:
         self.outcome: Outcome | None = None
 
     def cancel(self) -> None:
-        """Stop generating (the client is gone): the worker drops the job or halts it after the current step."""
+        """Stop generating (the client is gone): the worker drops the job (its outcome is then `cancelled`) or halts
+        it after the current step."""
         self._cancelled.set()
 
     @property
@@ -112,7 +113,8 @@ class Worker:
 
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
-            if job.cancelled:
+            if job.cancelled:  # its client left while it waited: dropped, but every job gets an outcome
+                job.put(Outcome("cancelled", 0, 0))
                 continue
             try:
                 outcome = self._run(job)

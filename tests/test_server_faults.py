@@ -1,0 +1,225 @@
+"""The server under faults (issue 39): clients that leave while queued or mid-body, bodies chunked past the limit,
+JSON that is not Unicode text or nests too deeply. The server is the one of test_server.py (the fixture pair on
+127.0.0.1, in a thread) with the Qwen3.5 chat template."""
+
+import contextlib
+import http.client
+import json
+import logging
+import select
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import openai
+import pytest
+
+from conftest import FIXTURES
+from test_server import USER, Server
+
+MAX_QUEUE = 128  # room for every client of the crowd
+QWEN35 = (FIXTURES / "templates" / "qwen3.5.jinja").read_text()  # renders no empty think block into history
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf_path):
+    srv = Server(tiny_gguf_path, max_queue=MAX_QUEUE, chat_template=QWEN35)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def handlers(server) -> int:
+    """Requests the server is handling: uvicorn's task per request."""
+    return len(server.uvicorn.server_state.tasks)
+
+
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+class Records(logging.Handler):
+    """Log records at WARNING and above, from the root logger and uvicorn's (which does not propagate)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.format(r) for r in self.records)
+
+
+@contextlib.contextmanager
+def logged():
+    """The warnings and errors logged inside the block (tracebacks included, by their `exc_info`)."""
+    records, loggers = Records(), [logging.getLogger(), logging.getLogger("uvicorn")]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+
+
+def send_raw(server, path: str, body: bytes | dict, headers: dict | None = None) -> socket.socket:
+    """A socket that has sent a whole POST request and not read its answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    head = {"Host": "x", "Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\n".encode() + "".join(f"{k}: {v}\r\n" for k, v in head.items()).encode()
+                 + b"\r\n" + data)
+    return sock
+
+
+def answer(oai, claude, kind: str, messages: list[dict], n: int) -> str:
+    """The reply text through the clients: kind is openai, openai_stream, anthropic or anthropic_stream."""
+    if kind == "openai":
+        return oai.chat.completions.create(model="tiny", messages=messages, max_tokens=n).choices[0].message.content
+    if kind == "openai_stream":
+        stream = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=n, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream)
+    if kind == "anthropic":
+        return claude.messages.create(model="tiny", messages=messages, max_tokens=n).content[0].text
+    with claude.messages.stream(model="tiny", messages=messages, max_tokens=n) as stream:
+        return "".join(stream.text_stream)
+
+
+def test_a_client_leaving_its_queued_request_frees_its_handler_at_once(server, oai):
+    """Fault 1: a non-streaming client (and a streaming one) that disconnects while its request waits behind
+    another: its handler ends then, not when (or never, as before) the worker reaches the request, which the worker
+    drops without running it."""
+    want = server.expect(server.chat_ids(USER), 2)[0]
+    server.gated.open.clear()
+    server.gated.entered.clear()
+    server.logs.clear()
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(oai.chat.completions.create, model="tiny", messages=USER, max_tokens=2)
+        try:
+            assert server.gated.entered.wait(30)  # the worker holds the first request
+            base = handlers(server)
+            socks = [send_raw(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "stream": stream})
+                     for stream in (False, True)]
+            wait_until(lambda: server.worker.waiting == 2, "both requests wait")
+            for sock in socks:
+                sock.close()
+            wait_until(lambda: handlers(server) == base, "the handlers of the clients that left end")
+        finally:
+            server.gated.open.set()
+        assert holder.result(60).choices[0].message.content == want
+    wait_until(lambda: handlers(server) == 0 and server.worker.waiting == 0, "the server is idle")
+    assert len(server.logs) == 1, server.logs  # only the first request ran
+
+
+def send_chunked(sock: socket.socket, total: int, chunk: int = 256 << 10) -> int:
+    """Send a chunked body of up to `total` bytes until the server answers or closes; the bytes sent."""
+    sent, piece = 0, b"[" + b" " * (chunk - 1)
+    try:
+        while sent < total and not select.select([sock], [], [], 0)[0]:
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent += len(piece)
+        if sent >= total:
+            sock.sendall(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return sent
+
+
+def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit(server, oai):
+    """Fault 2: a chunked body (no Content-Length) gets its 413 once 16 MiB have arrived, not after the server read
+    all of it; a chunked body within the limit is answered as any other."""
+    from dflash_jax.server.app import MAX_BODY
+
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")
+    sent = send_chunked(sock, 16 * MAX_BODY)
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    error = json.loads(response.read())["error"]
+    sock.close()
+    assert response.status == 413 and "over the limit of 16777216 bytes" in error["message"]
+    assert sent < 2 * MAX_BODY, f"the server read {sent / MIB:.0f} MiB before refusing the body"
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"messages": USER, "max_tokens": 3}).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7])
+                                                                  for i in range(0, len(body), 7)) + b"0\r\n\r\n")
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    reply = json.loads(response.read())
+    sock.close()
+    assert response.status == 200
+    assert reply["choices"][0]["message"]["content"] == server.expect(server.chat_ids(USER), 3)[0]
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"])
+def test_json_that_is_not_unicode_text_or_nests_too_deeply_is_a_400_in_the_apis_shape(server, path):
+    """Fault 3: a lone surrogate escape in a message, in a key, and JSON nested 100,000 levels deep: a 400 in the
+    endpoint's API error shape that says what is wrong and where, nothing logged; a surrogate pair (an emoji) is
+    text like any other."""
+    anthropic_shape = path.startswith("/v1/messages")
+    cases = [
+        (b'{"max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+         "messages[0].content holds a lone UTF-16 surrogate", "messages"),
+        (b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi", "\\udfff": 1}]}',
+         "a key of messages[0] holds a lone UTF-16 surrogate", "messages"),
+        (b'{"max_tokens": 2, "messages": [], "x": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+         "nests arrays or objects too deeply", None),
+        (b'{"max_tokens": 2, "messages": [], "x": ' + b'{"a": ' * DEEP + b"1" + b"}" * DEEP + b"}",
+         "nests arrays or objects too deeply", None),
+    ]
+    with logged() as records:
+        for body, message, param in cases:
+            status, err = server.post(path, body)
+            assert status == 400 and message in err["error"]["message"], (body[:80], status, err)
+            assert (err.get("type") == "error") == anthropic_shape  # each API's error shape
+            assert err["error"]["type"] == "invalid_request_error"
+            if not anthropic_shape:
+                assert err["error"]["param"] == param
+        emoji = b'{"max_tokens": 2, "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+        status, _ = server.post(path, emoji)
+        assert status == 200
+    assert not records.records, records.text
+
+
+def test_a_client_leaving_in_the_middle_of_its_body_leaves_no_traceback(server, oai):
+    """Fault 4: half a body (with a Content-Length, or chunked) and then the connection closes: the handler ends
+    and nothing is logged; the next request is answered."""
+    body = json.dumps({"messages": USER, "max_tokens": 2}).encode()
+    with logged() as records:
+        for head in [b"Content-Length: %d\r\n" % len(body), b"Transfer-Encoding: chunked\r\n"]:
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            half = body[:len(body) // 2]
+            if b"chunked" in head:
+                half = b"%x\r\n%s\r\n" % (len(half), half)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + head + b"\r\n" + half)
+            wait_until(lambda: handlers(server) == 1, "the request is being read")
+            sock.close()
+            wait_until(lambda: handlers(server) == 0, "its handler ends")
+        time.sleep(0.2)  # uvicorn logs an application's exception after its task ends
+    assert not records.records, records.text
+    assert oai.chat.completions.create(model="tiny", messages=USER, max_tokens=2).choices[0].message.content == \
+        server.expect(server.chat_ids(USER), 2)[0]
