@@ -6,8 +6,11 @@ import contextlib
 import http.client
 import json
 import logging
+import os
 import select
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +18,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, ROOT
 from test_server import USER, Server
 
 MAX_QUEUE = 128  # room for every client of the crowd
@@ -223,3 +226,20 @@ def test_a_client_leaving_in_the_middle_of_its_body_leaves_no_traceback(server, 
     assert not records.records, records.text
     assert oai.chat.completions.create(model="tiny", messages=USER, max_tokens=2).choices[0].message.content == \
         server.expect(server.chat_ids(USER), 2)[0]
+
+
+def test_serve_checks_its_address_before_loading_the_model(jit_cache):
+    """Fault 5: `serve` on a port in use, or on an address of no interface here, exits 2 with one line at once,
+    before loading and compiling (and before printing an address it would not listen on)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host, reason in [("127.0.0.1", "Address already in use"), ("192.0.2.1", "Cannot assign requested address")]:
+            t0 = time.monotonic()
+            run = subprocess.run([sys.executable, "-m", "dflash_jax.serve", "--host", host, "--port", str(port),
+                                  f"--jit_cache={jit_cache}"], capture_output=True, text=True, cwd=ROOT, env=env,
+                                 timeout=300)
+            assert (run.returncode, run.stderr) == (2, f"serve: cannot listen on {host}:{port}: {reason}\n")
+            assert time.monotonic() - t0 < 60
