@@ -232,9 +232,10 @@ def test_a_request_extending_the_last_one_continues_its_state(server, oai):
 
 
 def test_a_chat_continues_when_its_reply_tokenizes_back_the_same(server, oai):
-    """A conversation sent back with the reply in it reuses the state when the reply's text encodes to the tokens
-    generated (usual for a trained model; this random one often emits bytes that are not UTF-8), else it is
-    prefilled afresh; either way the answer is the engine's on the whole conversation."""
+    """A conversation sent back with the reply in it reuses the whole state when the reply's text encodes to the
+    tokens generated (usual for a trained model; this random one often emits bytes that are not UTF-8), else the
+    state of the first turn's prompt (the worker marked it there, where the template's next turn parts from it);
+    either way the answer is the engine's on the whole conversation."""
     reused = {}
     for i in range(6):
         question = [{"role": "user", "content": f"Write function number {i}."}]
@@ -246,7 +247,8 @@ def test_a_chat_continues_when_its_reply_tokenizes_back_the_same(server, oai):
         assert second.choices[0].message.content == server.expect(server.chat_ids(history), 6)[0]
         round_trip = server.tok.encode(reply) == [t for t in tokens if t not in server.tok.stop_ids]
         reused[round_trip] = second.usage.prompt_tokens_details.cached_tokens
-        assert (reused[round_trip] > 0) == round_trip
+        n_question = len(server.chat_ids(question))
+        assert reused[round_trip] == (n_question + len(tokens) - 1 if round_trip else n_question)
     assert set(reused) == {True, False}  # both cases were seen
 
 

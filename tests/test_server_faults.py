@@ -1,6 +1,6 @@
 """The server under faults (issue 39): clients that leave while queued or mid-body, bodies chunked past the limit,
-JSON that is not Unicode text or nests too deeply. The server is the one of test_server.py (the fixture pair on
-127.0.0.1, in a thread) with the Qwen3.5 chat template."""
+JSON that is not Unicode text or nests too deeply, a `serve` that cannot bind, a second turn with thinking off. The
+server is the one of test_server.py (the fixture pair on 127.0.0.1, in a thread) with the Qwen3.5 chat template."""
 
 import contextlib
 import http.client
@@ -243,3 +243,40 @@ def test_serve_checks_its_address_before_loading_the_model(jit_cache):
                                  timeout=300)
             assert (run.returncode, run.stderr) == (2, f"serve: cannot listen on {host}:{port}: {reason}\n")
             assert time.monotonic() - t0 < 60
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_a_second_turn_reuses_the_first_with_thinking_off(server, oai, claude):
+    """Fault 6: with thinking off (the default), Qwen3.5's template opens turn 1's reply with an empty think block
+    but renders that reply into turn 2's history without it, so turn 2's ids do not extend turn 1's. The worker
+    marked turn 1's state where the template's next turn parts from it, and turn 2 reuses it up to there, as much as
+    the two prompts share; the same with thinking on and through the Anthropic API. The answers are the engine's on
+    the whole conversation."""
+    from dflash_jax.server.request import chat_prompt
+
+    system = "You are a careful Python programmer who writes short, well-tested functions."
+    for thinking in (False, True):
+        question = [{"role": "system", "content": system}, {"role": "user", "content": f"Write function {thinking}."}]
+        extra = {"chat_template_kwargs": {"enable_thinking": True}} if thinking else None
+        ids1 = chat_prompt(server.settings, question, thinking)
+        first = oai.chat.completions.create(model="tiny", messages=question, max_tokens=4, extra_body=extra)
+        assert first.choices[0].message.content == server.expect(ids1, 4)[0]
+        history = question + [{"role": "assistant", "content": first.choices[0].message.content},
+                              {"role": "user", "content": "And another one."}]
+        ids2 = chat_prompt(server.settings, history, thinking)
+        assert ids2[:len(ids1)] != ids1  # the case at issue: turn 2 does not extend turn 1
+        second = oai.chat.completions.create(model="tiny", messages=history, max_tokens=4, extra_body=extra)
+        assert second.choices[0].message.content == server.expect(ids2, 4)[0]
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached == common_prefix(ids1, ids2) > len(server.tok.encode(system)), (thinking, cached)
+    question = [{"role": "user", "content": "Write a stack class."}]
+    m = claude.messages.create(model="tiny", system=system, messages=question, max_tokens=4)
+    history = question + [{"role": "assistant", "content": m.content[0].text}, {"role": "user", "content": "More."}]
+    m2 = claude.messages.create(model="tiny", system=system, messages=history, max_tokens=4)
+    ids2 = server.chat_ids([{"role": "system", "content": system}] + history)
+    assert m2.usage.cache_read_input_tokens > 0 and m2.content[0].text == server.expect(ids2, 4)[0]
+    assert m2.usage.input_tokens + m2.usage.cache_read_input_tokens == len(ids2)
+
