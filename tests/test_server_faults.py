@@ -1,8 +1,11 @@
 """The server under faults (issue 39): clients that leave while queued or mid-body, bodies chunked past the limit,
-JSON that is not Unicode text or nests too deeply, a `serve` that cannot bind, a second turn with thinking off. The
-server is the one of test_server.py (the fixture pair on 127.0.0.1, in a thread) with the Qwen3.5 chat template."""
+JSON that is not Unicode text or nests too deeply, a `serve` that cannot bind, a second turn with thinking off; then
+100 concurrent clients of both APIs, some leaving while queued or mid-stream, after which the server is healthy,
+answers correctly, and its handlers, connections, jobs and memory are back where they were. The server is the one of
+test_server.py (the fixture pair on 127.0.0.1, in a thread) with the Qwen3.5 chat template."""
 
 import contextlib
+import gc
 import http.client
 import json
 import logging
@@ -11,11 +14,13 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import openai
+import psutil
 import pytest
 
 from conftest import FIXTURES, ROOT
@@ -280,3 +285,109 @@ def test_a_second_turn_reuses_the_first_with_thinking_off(server, oai, claude):
     assert m2.usage.cache_read_input_tokens > 0 and m2.content[0].text == server.expect(ids2, 4)[0]
     assert m2.usage.input_tokens + m2.usage.cache_read_input_tokens == len(ids2)
 
+
+N_CLIENTS, N_GEN = 100, 3
+KINDS = ("openai", "openai_stream", "anthropic", "anthropic_stream", "leave_mid_stream", "leave_queued")
+PROMPTS = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(8)]
+
+
+def leave_mid_stream(server, path: str, messages: list[dict]) -> None:
+    """Ask for a long stream, read it until its first text, then hang up."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", path, json.dumps({"messages": messages, "max_tokens": 64, "stream": True}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    while (line := response.readline()) and not has_text(line):
+        pass
+    response.close()
+    conn.close()
+
+
+def has_text(line: bytes) -> bool:
+    """Whether an SSE line of either API carries generated text."""
+    if not line.startswith(b"data: {"):
+        return False
+    event = json.loads(line[6:])
+    return event.get("type") == "content_block_delta" or any(c["delta"].get("content")
+                                                              for c in event.get("choices", []))
+
+
+def crowd(server, oai, claude, n: int) -> list[str | None]:
+    """n concurrent clients, of each kind in KINDS in turn and of both APIs, all queued behind a request the worker
+    holds; those of kind leave_queued hang up then, the rest once the worker goes on. The answers (None for those
+    that left)."""
+    queued, server.logs[:] = threading.Event(), []
+    server.gated.open.clear()
+    server.gated.entered.clear()
+
+    def client(i: int) -> str | None:
+        kind, messages = KINDS[i % len(KINDS)], PROMPTS[i % len(PROMPTS)]
+        path = "/v1/messages" if i // len(KINDS) % 2 else "/v1/chat/completions"
+        if kind == "leave_queued":
+            sock = send_raw(server, path, {"messages": messages, "max_tokens": 64, "stream": i // 12 % 2 == 1})
+            queued.wait(120)
+            sock.close()
+            return None
+        if kind == "leave_mid_stream":
+            return leave_mid_stream(server, path, messages)
+        return answer(oai, claude, kind, messages, N_GEN)
+
+    leaving = sum(KINDS[i % len(KINDS)] == "leave_queued" for i in range(n))
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(client, i) for i in range(n)]
+        try:
+            wait_until(lambda: server.gated.entered.is_set() and server.worker.waiting == n - 1,
+                       "every request is in", 120)
+            queued.set()
+            wait_until(lambda: handlers(server) == n - leaving, "the handlers of the clients that left end")
+        finally:
+            queued.set()
+            server.gated.open.set()
+        return [f.result(300) for f in futures]
+
+
+def server_memory() -> tuple[int, int]:
+    """(jobs alive, resident bytes) of the process the server runs in, after a garbage collection."""
+    from dflash_jax.server.worker import Job
+
+    gc.collect()
+    return sum(isinstance(o, Job) for o in gc.get_objects()), psutil.Process().memory_info().rss
+
+
+def test_a_hundred_clients_some_leaving_then_the_server_is_healthy_and_as_it_was(server, tiny_gguf_path):
+    """100 concurrent clients of both APIs, streaming and not, a sixth leaving while queued and a sixth mid-stream:
+    each that stays gets the engine's answer, nothing is logged; then /health is ok with nothing waiting, a new
+    request is answered correctly, and the server's handlers, connections, jobs and memory are back to where they
+    were before (after a smaller crowd that warmed it up)."""
+    wants = [server.expect(server.chat_ids(p), N_GEN)[0] for p in PROMPTS]
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    crowd(server, oai, claude, 2 * len(KINDS))
+    wait_until(lambda: handlers(server) == 0, "the warm-up's handlers end")
+    jobs, rss = server_memory()
+    connections = len(server.uvicorn.server_state.connections)
+    with logged() as records:
+        got = crowd(server, oai, claude, N_CLIENTS)
+    assert not records.records, records.text
+    for i, text in enumerate(got):
+        if KINDS[i % len(KINDS)] not in ("leave_queued", "leave_mid_stream"):
+            assert text == wants[i % len(PROMPTS)], (i, KINDS[i % len(KINDS)])
+    assert sum("; cancelled" in line for line in server.logs) >= N_CLIENTS // len(KINDS)  # those mid-stream
+    health = json.loads(urllib_get(server.url + "/health"))
+    assert health["status"] == "ok" and health["waiting"] == 0
+    assert answer(oai, claude, "openai", PROMPTS[3], N_GEN) == wants[3]
+    oai.close()
+    claude.close()
+    wait_until(lambda: handlers(server) == 0, "every handler ends")
+    wait_until(lambda: len(server.uvicorn.server_state.connections) <= connections, "the clients' connections close")
+    jobs_after, rss_after = server_memory()
+    assert jobs_after == jobs == 0
+    assert rss_after - rss < 48 * MIB, f"the server grew by {(rss_after - rss) / MIB:.0f} MiB"
+
+
+def urllib_get(url: str) -> str:
+    conn = http.client.HTTPConnection(url.split("//")[1].split("/")[0], timeout=30)
+    conn.request("GET", "/" + url.split("//")[1].split("/", 1)[1])
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text

@@ -128,22 +128,29 @@ class Worker:
         self._thread.join(timeout)
 
     def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if job.cancelled:  # its client left while it waited: dropped, but every job gets an outcome
-                job.put(Outcome("cancelled", 0, 0))
-                continue
-            try:
-                outcome = self._run(job)
-            except Exception as e:  # the thread must outlive any request
-                self._context = None  # nothing a failed request left is trusted: the next one starts afresh
-                if isinstance(e, InputError):
-                    failed = GenerationFailed(str(e), bad_input=True)
-                    self.log(f"request {job.request_id} refused: {e}")
-                else:
-                    LOG.exception("request %s failed", job.request_id)
-                    failed = GenerationFailed(internal_error(job.request_id))
-                outcome = Outcome("error", 0, 0, error=failed)
-            job.put(outcome)
+        while self._serve_one(self._queue.get()):  # no frame holds a finished job while the next is awaited
+            pass
+
+    def _serve_one(self, job: Job | None) -> bool:
+        """Run a job and send its outcome; False for the None that stops the thread."""
+        if job is None:
+            return False
+        if job.cancelled:  # its client left while it waited: dropped, but every job gets an outcome
+            job.put(Outcome("cancelled", 0, 0))
+            return True
+        try:
+            outcome = self._run(job)
+        except Exception as e:  # the thread must outlive any request
+            self._context = None  # nothing a failed request left is trusted: the next one starts afresh
+            if isinstance(e, InputError):
+                failed = GenerationFailed(str(e), bad_input=True)
+                self.log(f"request {job.request_id} refused: {e}")
+            else:
+                LOG.exception("request %s failed", job.request_id)
+                failed = GenerationFailed(internal_error(job.request_id))
+            outcome = Outcome("error", 0, 0, error=failed)
+        job.put(outcome)
+        return True
 
     def _reuse(self, ids: list[int]) -> tuple[Context | None, int, bool]:
         """What this prompt continues of the last request's context: (that context or None, how many leading ids
