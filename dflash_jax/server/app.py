@@ -143,7 +143,7 @@ def _lone_surrogate(body: dict[str, Any]) -> tuple[str, str | None] | None:
 def _parse_json(raw: bytes) -> dict[str, Any]:
     """A JSON object of Unicode text, else a 400 that says why."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # JSON's own encoding; a byte order mark is let through, as json.loads does
         body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
