@@ -353,7 +353,8 @@ def server_memory() -> tuple[int, int]:
     from dflash_jax.server.worker import Job
 
     gc.collect()
-    return sum(isinstance(o, Job) for o in gc.get_objects()), psutil.Process().memory_info().rss
+    # type(), not isinstance(), which reads __class__ and so wakes deprecated module attributes (torch's)
+    return sum(type(o) is Job for o in gc.get_objects()), psutil.Process().memory_info().rss
 
 
 def get(server, path: str) -> str:
