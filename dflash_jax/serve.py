@@ -12,6 +12,7 @@ extra (`pip install "dflash-jax[server]"`).
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import Sequence
 
@@ -29,8 +30,25 @@ def model_name(target_path: str) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, made before the model loads: one that cannot be bound is a UsageError."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as e:  # an unknown host name; one that cannot be encoded
+        raise UsageError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no wait after a restart
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run(argv: Sequence[str]) -> int:
-    """Load the pair, compile, serve until interrupted; returns the exit code."""
+    """Bind the address, load the pair, compile, serve until interrupted; returns the exit code."""
     from absl import flags
 
     try:
@@ -44,19 +62,25 @@ def run(argv: Sequence[str]) -> int:
     from dflash_jax.server.worker import Worker
 
     f = flags.FLAGS
-    engine, models, target_path = engine_from_flags(argv)
-    if f.warmup:
-        _log("compiling (one short generation)...")
-        engine.generate([0], 2)
-    settings = Settings(models.tokenizer, f.model_name or model_name(target_path), f.max_ctx,
-                        models.target.config.vocab_size, f.n_gen, f.thinking, f.allow_greedy_fallback)
-    worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None)
-    _log(f"{settings.model} ({f.mode}, context {f.max_ctx}) on http://{f.host}:{f.port}")
-    try:
-        uvicorn.run(build_app(worker, settings), host=f.host, port=f.port, log_level="info",
-                    timeout_graceful_shutdown=5)
-    finally:
-        worker.close()
+    with listen(f.host, f.port) as sock:  # a port in use or a bad host ends here, not after loading and compiling
+        engine, models, target_path = engine_from_flags(argv)
+        if f.warmup:
+            _log("compiling (one short generation)...")
+            engine.generate([0], 2)
+        settings = Settings(models.tokenizer, f.model_name or model_name(target_path), f.max_ctx,
+                            models.target.config.vocab_size, f.n_gen, f.thinking, f.allow_greedy_fallback)
+        worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None)
+        port = sock.getsockname()[1]  # the one the system chose for --port 0
+        host = f"[{f.host}]" if ":" in f.host else f.host  # an IPv6 address
+        _log(f"{settings.model} ({f.mode}, context {f.max_ctx}) on http://{host}:{port}")
+        config = uvicorn.Config(build_app(worker, settings), host=f.host, port=port, log_level="info",
+                                timeout_graceful_shutdown=5)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn shuts down cleanly on Ctrl+C, then raises it again (uvicorn.run hides it)
+            pass
+        finally:
+            worker.close()
     return 0
 
 

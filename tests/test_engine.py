@@ -10,7 +10,7 @@ from dflash_jax.engine import generate as engine_module
 from dflash_jax.engine import prefill as prefill_module
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import InputError
-from dflash_jax.engine.state import DecodeState
+from dflash_jax.engine.state import DecodeState, rewind
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
@@ -185,6 +185,31 @@ def test_a_conversation_continues_from_its_state(tparams, random_drafters, mode)
     assert turn3.tokens == fresh.generate(context, 10).tokens
     with pytest.raises(InputError, match="committed tokens \\+ prompt of"):
         engine.generate(np.arange(10, 10 + MAX_CTX), 1, after=turn3.state)
+
+
+def test_a_conversation_rewinds_to_a_mark_and_goes_on_as_a_fresh_run(tparams, random_drafters):
+    """A mark taken inside turn 1's prompt outlives the turn: turns 2 and 3 set the last state back to it, prefill
+    only what follows, and hold what a fresh prefill of their whole ids holds (to float rounding: the prefill's chunks
+    split elsewhere), so they say what a fresh run says."""
+    engine = Engine(TCFG, tparams, EngineConfig(mode="ddtree", budget=8, topk=4, max_ctx=MAX_CTX),
+                    *random_drafters["full"])
+    rng = np.random.default_rng(7)
+    first, at = rng.integers(10, TCFG.vocab_size, 100), 70  # the mark inside the second prefill chunk
+    turn1 = engine.generate(first, 10, mark_at=at)
+    assert turn1.tokens == engine.generate(first, 10).tokens and int(turn1.mark.length) == at
+    last = turn1.state
+    for n_new in (12, 5):  # turn 2, then turn 3 back at the same mark
+        ids = np.concatenate([first[:at], rng.integers(10, TCFG.vocab_size, n_new)])
+        state, token = engine.start(ids[at:], 10, after=rewind(last, turn1.mark), keep_pending=False)
+        got, want = committed(state), committed(engine.start(ids, 10)[0])
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+        turn = engine.decode(state, token, 10)
+        assert turn.tokens == engine.generate(ids, 10).tokens
+        last = turn.state
+    length = int(last.target.length)
+    turn = engine.generate(first[:3], 4, after=last, mark_at=2)  # after the pending token and 2 of the prompt
+    assert int(turn.mark.length) == length + 3
 
 
 def test_a_step_after_done_emits_nothing_and_leaves_the_state(tparams, random_drafters):

@@ -65,22 +65,27 @@ class FaultyTokenizer:
 
 
 class Server:
-    def __init__(self, tiny_gguf_path):
+    """The app over the fixture pair on 127.0.0.1 in a thread; `chat_template` replaces the fixture's own (which
+    ignores thinking) for the requests."""
+
+    def __init__(self, tiny_gguf_path, max_queue: int = MAX_QUEUE, chat_template: str | None = None):
         from dflash_jax.config import EngineConfig
         from dflash_jax.engine.generate import Engine
         from dflash_jax.load import load_draft, load_target
         from dflash_jax.server.app import build_app
         from dflash_jax.server.request import Settings
         from dflash_jax.server.worker import Worker
-        from dflash_jax.tokenizer import load_tokenizer
+        from dflash_jax.tokenizer import Tokenizer, load_tokenizer
 
         target = load_target(tiny_gguf_path, progress=False)
         draft = load_draft(TINY / "draft-full", target.config, progress=False)
         self.tok = load_tokenizer(tiny_gguf_path)
         self.engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX))
         self.gated, self.logs = GatedEngine(self.engine), []
-        self.worker = Worker(self.gated, self.tok, MAX_QUEUE, log=self.logs.append)
-        self.parsing = FaultyTokenizer(self.tok)
+        self.worker = Worker(self.gated, self.tok, max_queue, log=self.logs.append)
+        tok = self.tok if chat_template is None else Tokenizer(self.tok.backend, self.tok.token_bytes, self.tok.special,
+                                                               self.tok.eos_id, chat_template, self.tok.bos_token)
+        self.parsing = FaultyTokenizer(tok)
         self.settings = Settings(self.parsing, "tiny", MAX_CTX, target.config.vocab_size)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -227,9 +232,10 @@ def test_a_request_extending_the_last_one_continues_its_state(server, oai):
 
 
 def test_a_chat_continues_when_its_reply_tokenizes_back_the_same(server, oai):
-    """A conversation sent back with the reply in it reuses the state when the reply's text encodes to the tokens
-    generated (usual for a trained model; this random one often emits bytes that are not UTF-8), else it is
-    prefilled afresh; either way the answer is the engine's on the whole conversation."""
+    """A conversation sent back with the reply in it reuses the whole state when the reply's text encodes to the
+    tokens generated (usual for a trained model; this random one often emits bytes that are not UTF-8), else the
+    state of the first turn's prompt (the worker marked it there, where the template's next turn parts from it);
+    either way the answer is the engine's on the whole conversation."""
     reused = {}
     for i in range(6):
         question = [{"role": "user", "content": f"Write function number {i}."}]
@@ -241,7 +247,8 @@ def test_a_chat_continues_when_its_reply_tokenizes_back_the_same(server, oai):
         assert second.choices[0].message.content == server.expect(server.chat_ids(history), 6)[0]
         round_trip = server.tok.encode(reply) == [t for t in tokens if t not in server.tok.stop_ids]
         reused[round_trip] = second.usage.prompt_tokens_details.cached_tokens
-        assert (reused[round_trip] > 0) == round_trip
+        n_question = len(server.chat_ids(question))
+        assert reused[round_trip] == (n_question + len(tokens) - 1 if round_trip else n_question)
     assert set(reused) == {True, False}  # both cases were seen
 
 

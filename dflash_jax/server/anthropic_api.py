@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, check_greedy, field,
-                                       max_tokens, refuse, stop_strings, text_of)
+                                       max_tokens, next_turn_prefix, refuse, stop_strings, text_of)
 from dflash_jax.server.wire import new_id, sse
 from dflash_jax.server.worker import Job
 
@@ -13,8 +13,8 @@ UNSUPPORTED = {"tools": "tool use is not implemented", "mcp_servers": "tool use 
 STOP_REASON = {"stop_token": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
 
 
-def prompt_ids(body: dict, settings: Settings) -> list[int]:
-    """The prompt of a Messages body: system (a string or text blocks) and user/assistant turns, templated."""
+def _messages(body: dict) -> list[dict]:
+    """The chat messages of a Messages body: system (a string or text blocks) and user/assistant turns."""
     refuse(body, UNSUPPORTED)
     thinking = field(body, "thinking", dict, {})
     if thinking.get("type", "disabled") != "disabled":
@@ -31,15 +31,22 @@ def prompt_ids(body: dict, settings: Settings) -> list[int]:
         messages.append({"role": m["role"], "content": text_of(m["content"], where)})
     if len(messages) == (1 if system else 0):
         raise BadRequest("'messages' must not be empty", "messages")
-    return chat_prompt(settings, messages)
+    return messages
+
+
+def prompt_ids(body: dict, settings: Settings) -> list[int]:
+    """The prompt of a Messages body: its messages through the chat template."""
+    return chat_prompt(settings, _messages(body))
 
 
 def parse_messages(body: dict, settings: Settings) -> GenRequest:
     """A /v1/messages body as a generation request; a last assistant message is continued (prefill)."""
     check_greedy(body, settings)
-    ids = prompt_ids(body, settings)
+    messages = _messages(body)
+    ids = chat_prompt(settings, messages)
     limit = max_tokens(field(body, "max_tokens", int), len(ids), settings)
-    return GenRequest(ids, limit, stop_strings(body, "stop_sequences"), field(body, "stream", bool, False))
+    return GenRequest(ids, limit, stop_strings(body, "stop_sequences"), field(body, "stream", bool, False),
+                      history=next_turn_prefix(settings, messages, ids))
 
 
 def _usage(job: Job) -> dict[str, int]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -24,7 +25,10 @@ from dflash_jax.server.wire import anthropic_error, internal_error, new_id, now,
 from dflash_jax.server.worker import GenerationFailed, Job, QueueFull, Worker
 
 LOG = logging.getLogger(__name__)
-MAX_BODY = 16 << 20  # bytes: a longer body is refused before it is parsed
+MAX_BODY = 16 << 20  # bytes: a longer body is refused as soon as that many have arrived, before it is parsed
+CLIENT_GONE = 499  # nginx's status for a client that left before its answer: nobody reads it, nothing is logged
+# a \uD800-\uDFFF escape: half of a UTF-16 pair, which JSON decoding lets through even when it is alone
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class EventStream(StreamingResponse):
@@ -76,6 +80,8 @@ def _guarded(api: str, serve: Callable[[Request, str], Awaitable[Response]]
         request_id = new_id("req_")
         try:
             response = await serve(request, request_id)
+        except ClientDisconnect:  # it left while sending its body
+            response = Response(status_code=CLIENT_GONE)
         except Exception as e:
             response = _error(api, *_answer(e, request_id))
         response.headers["x-request-id"] = request_id
@@ -94,32 +100,90 @@ async def _guarded_events(api: str, events: AsyncIterator[str], request_id: str)
         yield _error_event(api, status, message)
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as more than `limit` bytes are declared or have arrived."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY or len(raw := await request.body()) > MAX_BODY:
-        raise BadRequest(f"the request body is over the limit of {MAX_BODY} bytes", status=413)
+    if declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"the request body is over the limit of {limit} bytes", status=413)
+    body = bytearray()
+    async for chunk in request.stream():  # a chunked body has no declared length: it is counted as it comes
+        body += chunk
+        if len(body) > limit:
+            raise BadRequest(f"the request body is over the limit of {limit} bytes", status=413)
+    return bytes(body)
+
+
+def _is_text(s: str) -> bool:
+    """Whether a string is Unicode text (JSON's \\u escapes can also make lone surrogates)."""
     try:
-        body = json.loads(raw)
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def _lone_surrogate(body: dict[str, Any]) -> tuple[str, str | None] | None:
+    """(where, top-level field) of the first string or key in a parsed body that holds a lone UTF-16 surrogate."""
+    if not all(_is_text(key) for key in body):
+        return "a key of the body", None
+    stack = [(key, key, body[key]) for key in reversed(list(body))]
+    while stack:  # not recursive: the body may nest as deep as the parser allows
+        path, field, item = stack.pop()
+        if isinstance(item, str) and not _is_text(item):
+            return path, field
+        if isinstance(item, dict):
+            if not all(_is_text(key) for key in item):
+                return f"a key of {path}", field
+            stack.extend((f"{path}.{key}", field, item[key]) for key in reversed(list(item)))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", field, item[i]) for i in reversed(range(len(item))))
+    return None
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    """A JSON object of Unicode text, else a 400 that says why."""
+    try:
+        text = raw.decode("utf-8-sig")  # JSON's own encoding; a byte order mark is let through, as json.loads does
+        body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the request body is not valid JSON: it nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    bad = _lone_surrogate(body) if _SURROGATE_ESCAPE.search(text) else None
+    if bad is not None:
+        raise BadRequest(f"the request body is not Unicode text: {bad[0]} holds a lone UTF-16 surrogate (a "
+                         "\\ud800-\\udfff escape without its pair)", bad[1])
     return body
 
 
-async def _collect(job: Job, request: Request) -> str:
-    """The whole text of a job; a client that disconnects meanwhile cancels it."""
+async def _json_body(request: Request) -> dict[str, Any]:
+    return _parse_json(await _read_body(request, MAX_BODY))
 
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        job.cancel()
 
-    watcher = asyncio.ensure_future(watch())
-    try:
+async def _disconnected(request: Request) -> None:
+    """Return when the client has disconnected (its body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(job: Job, request: Request) -> str | None:
+    """The whole text of a job, or None when the client disconnects first: the job is then cancelled, and the
+    handler does not wait for the worker to reach it."""
+
+    async def text() -> str:
         return "".join([piece async for piece in job.pieces()])
+
+    reading, watching = asyncio.ensure_future(text()), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([reading, watching], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
+        watching.cancel()
+        if not reading.done():
+            job.cancel()
+            reading.cancel()
+    return reading.result() if reading.done() else None
 
 
 def build_app(worker: Worker, settings: Settings) -> Starlette:
@@ -133,8 +197,8 @@ def build_app(worker: Worker, settings: Settings) -> Starlette:
             if gen_request.stream:
                 return EventStream(_guarded_events(api, stream(job, settings), request_id), job)
             text = await _collect(job, request)
-            if job.outcome.finish == "cancelled":  # the client left; nobody reads this
-                return Response(status_code=499)
+            if text is None or job.outcome.finish == "cancelled":  # the client left; nobody reads this
+                return Response(status_code=CLIENT_GONE)
             return JSONResponse(respond(job, text, settings))
 
         return _guarded(api, serve)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Callable
 
 from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, check_greedy, field,
-                                       max_tokens, refuse, stop_strings, text_of)
+                                       max_tokens, next_turn_prefix, refuse, stop_strings, text_of)
 from dflash_jax.server.wire import new_id, now, sse
 from dflash_jax.server.worker import Job, Outcome
 
@@ -28,12 +28,13 @@ def _common(body: dict, settings: Settings) -> None:
     check_greedy(body, settings)
 
 
-def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[str, ...]) -> GenRequest:
+def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[str, ...],
+             history: int = 0) -> GenRequest:
     name = next((n for n in limit_names if body.get(n) is not None), limit_names[-1])
     limit = field(body, name, int, None)
     options = field(body, "stream_options", dict, {})
     return GenRequest(ids, max_tokens(limit, len(ids), settings, name), stop_strings(body, "stop"),
-                      field(body, "stream", bool, False), bool(options.get("include_usage")))
+                      field(body, "stream", bool, False), bool(options.get("include_usage")), history=history)
 
 
 def parse_chat(body: dict, settings: Settings) -> GenRequest:
@@ -60,7 +61,8 @@ def parse_chat(body: dict, settings: Settings) -> GenRequest:
     if thinking is not None and not isinstance(thinking, bool):
         raise BadRequest("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
     ids = chat_prompt(settings, messages, thinking)
-    return _request(body, ids, settings, ("max_completion_tokens", "max_tokens"))
+    return _request(body, ids, settings, ("max_completion_tokens", "max_tokens"),
+                    next_turn_prefix(settings, messages, ids, thinking))
 
 
 def parse_completion(body: dict, settings: Settings) -> GenRequest:

@@ -42,6 +42,7 @@ class GenRequest:
     stops: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage: a last chunk with the token counts
+    history: int = 0  # leading ids the conversation's next turn repeats (`next_turn_prefix`): the worker marks them
 
 
 def field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = _MISSING) -> Any:
@@ -149,6 +150,22 @@ def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None 
     except TemplateError as e:
         raise BadRequest(str(e), "messages") from None
     return settings.tokenizer.encode(text)
+
+
+def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], thinking: bool | None = None) -> int:
+    """How many leading ids of a chat prompt the conversation's next turn will repeat: the common prefix of the
+    prompt and the template's rendering of these messages followed by a reply and a user message. That is not always
+    the prompt and the reply: Qwen3.5's template opens the reply with an empty think block when thinking is off, but
+    renders past replies without it."""
+    thinking = settings.thinking if thinking is None else thinking
+    prefill = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
+    head = messages[:-1] if prefill is not None else messages
+    later = head + [{"role": "assistant", "content": (prefill or "") + "x"}, {"role": "user", "content": "x"}]
+    try:
+        following = settings.tokenizer.encode(settings.tokenizer.render_chat(later, False, thinking))
+    except TemplateError:  # a template that refuses the made-up turns: no reuse
+        return 0
+    return next((i for i, (a, b) in enumerate(zip(ids, following)) if a != b), min(len(ids), len(following)))
 
 
 def max_tokens(value: int | None, n_prompt: int, settings: Settings, name: str = "max_tokens") -> int:

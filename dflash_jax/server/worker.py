@@ -10,6 +10,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+from dflash_jax.engine.state import Mark, rewind
 from dflash_jax.errors import InputError
 from dflash_jax.server.request import GenRequest
 from dflash_jax.server.stops import StopMatcher
@@ -53,7 +54,8 @@ class Job:
         self.outcome: Outcome | None = None
 
     def cancel(self) -> None:
-        """Stop generating (the client is gone): the worker drops the job or halts it after the current step."""
+        """Stop generating (the client is gone): the worker drops the job (its outcome is then `cancelled`) or halts
+        it after the current step."""
         self._cancelled.set()
 
     @property
@@ -79,13 +81,28 @@ class Job:
             yield item
 
 
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the worker keeps of the last request for the next: the ids its state holds (the last one still pending),
+    that state, and a mark of it after its first `marked` ids, where the conversation's next turn will part from it."""
+
+    ids: list[int]
+    state: object  # engine.state.DecodeState
+    marked: int = 0
+    mark: Mark | None = None
+
+
+def _extends(ids: list[int], prefix: list[int]) -> bool:
+    return len(ids) > len(prefix) and ids[:len(prefix)] == prefix
+
+
 class Worker:
     """The engine's only user: a bounded queue of jobs, and the state of the last conversation for prefix reuse."""
 
     def __init__(self, engine, tokenizer: Tokenizer, max_queue: int, log: Callable[[str], None] = lambda _: None):
         self.engine, self.tokenizer, self.log = engine, tokenizer, log
         self._queue: queue.Queue = queue.Queue(max_queue)
-        self._cache: tuple[list[int], object] | None = None  # (ids the state holds, the last one pending; state)
+        self._context: Context | None = None
         self._thread = threading.Thread(target=self._serve, name="dflash-worker", daemon=True)
         self._thread.start()
 
@@ -111,33 +128,57 @@ class Worker:
         self._thread.join(timeout)
 
     def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if job.cancelled:
-                continue
-            try:
-                outcome = self._run(job)
-            except Exception as e:  # the thread must outlive any request
-                self._cache = None  # nothing a failed request left is trusted: the next one starts afresh
-                if isinstance(e, InputError):
-                    failed = GenerationFailed(str(e), bad_input=True)
-                    self.log(f"request {job.request_id} refused: {e}")
-                else:
-                    LOG.exception("request %s failed", job.request_id)
-                    failed = GenerationFailed(internal_error(job.request_id))
-                outcome = Outcome("error", 0, 0, error=failed)
-            job.put(outcome)
+        while self._serve_one(self._queue.get()):  # no frame holds a finished job while the next is awaited
+            pass
 
-    def _reuse(self, ids: list[int]):
-        """(state to continue, ids still to prefill, prompt tokens reused): the previous request's state when this
-        prompt extends everything it holds; the cache is emptied either way (consumed, or freed before a new one)."""
-        cached, self._cache = self._cache, None
-        if cached is not None and len(ids) > len(cached[0]) and ids[:len(cached[0])] == cached[0]:
-            return cached[1], ids[len(cached[0]):], len(cached[0]) - 1
-        return None, ids, 0
+    def _serve_one(self, job: Job | None) -> bool:
+        """Run a job and send its outcome; False for the None that stops the thread."""
+        if job is None:
+            return False
+        if job.cancelled:  # its client left while it waited: dropped, but every job gets an outcome
+            job.put(Outcome("cancelled", 0, 0))
+            return True
+        try:
+            outcome = self._run(job)
+        except Exception as e:  # the thread must outlive any request
+            self._context = None  # nothing a failed request left is trusted: the next one starts afresh
+            if isinstance(e, InputError):
+                failed = GenerationFailed(str(e), bad_input=True)
+                self.log(f"request {job.request_id} refused: {e}")
+            else:
+                LOG.exception("request %s failed", job.request_id)
+                failed = GenerationFailed(internal_error(job.request_id))
+            outcome = Outcome("error", 0, 0, error=failed)
+        job.put(outcome)
+        return True
+
+    def _reuse(self, ids: list[int]) -> tuple[Context | None, int, bool]:
+        """What this prompt continues of the last request's context: (that context or None, how many leading ids
+        it covers, whether that is its whole state rather than its mark). The context is taken either way
+        (consumed, or freed before a new one is made)."""
+        ctx, self._context = self._context, None
+        if ctx is not None and _extends(ids, ctx.ids):
+            return ctx, len(ctx.ids), True
+        if ctx is not None and ctx.mark is not None and _extends(ids, ctx.ids[:ctx.marked]):
+            return ctx, ctx.marked, False
+        return None, 0, True
+
+    @staticmethod
+    def _next_context(request: GenRequest, gen, previous: Context | None) -> Context:
+        """The context a finished generation leaves: marked where its conversation's next turn will part from it,
+        else where the previous mark was (the state went on from that context, so the mark still holds)."""
+        ids = request.ids + gen.tokens
+        if gen.mark is not None:
+            return Context(ids, gen.state, request.history, gen.mark)
+        if previous is not None:
+            return Context(ids, gen.state, previous.marked, previous.mark)
+        return Context(ids, gen.state)
 
     def _run(self, job: Job) -> Outcome:
         request, tok = job.request, self.tokenizer
-        after, rest, reused = self._reuse(request.ids)
+        ctx, start, whole = self._reuse(request.ids)
+        after = None if ctx is None else ctx.state if whole else rewind(ctx.state, ctx.mark)
+        reused = start - 1 if ctx is not None and whole else start  # a whole state's pending token is prefilled
         decoder, matcher = tok.stream(skip_stops=True), StopMatcher(request.stops)
 
         def on_tokens(new: list[int]) -> bool:
@@ -149,16 +190,18 @@ class Worker:
             return matcher.matched is not None
 
         t0 = time.perf_counter()
-        gen = self.engine.generate(rest, request.max_tokens, tok.stop_ids, on_tokens, after=after)
+        gen = self.engine.generate(request.ids[start:], request.max_tokens, tok.stop_ids, on_tokens, after=after,
+                                   keep_pending=whole, mark_at=max(request.history - start, 0))
         if not gen.halted:
             tail = matcher.push(decoder.flush()) + matcher.flush()
             if tail:
                 job.put(tail)
         if gen.state is not None:
-            self._cache = (request.ids + gen.tokens, gen.state)
+            self._context = self._next_context(request, gen, ctx)
         finish = ("cancelled" if job.cancelled else "stop_sequence" if matcher.matched is not None
                   else "stop_token" if gen.stopped else "length")
-        self.log(f"{len(request.ids)} prompt tokens ({reused} reused, {len(request.ids) - reused} prefilled in {gen.prefill_s:.2f} s) "
-                 f"+ {len(gen.tokens)} generated in {time.perf_counter() - t0 - gen.prefill_s:.2f} s, acceptance "
-                 f"length {gen.mean_accept_length:.2f}, {gen.decode_tokens_per_s:.1f} tok/s; {finish}")
+        decode_s = time.perf_counter() - t0 - gen.prefill_s
+        self.log(f"{len(request.ids)} prompt tokens ({reused} reused, {len(request.ids) - reused} prefilled in "
+                 f"{gen.prefill_s:.2f} s) + {len(gen.tokens)} generated in {decode_s:.2f} s, acceptance length "
+                 f"{gen.mean_accept_length:.2f}, {gen.decode_tokens_per_s:.1f} tok/s; {finish}")
         return Outcome(finish, len(gen.tokens), reused, matcher.matched)
