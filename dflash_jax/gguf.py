@@ -237,8 +237,9 @@ def _read_tensor_info(c: _Cursor, i: int) -> tuple[str, list[int], int, int]:
 
 
 def _check_tensor(name: str, dims: list[int], type_id: int, offset: int, start: int, alignment: int,
-                  size: int) -> None:
-    """One tensor's type, shape and bytes checked against the file (Python integers: no overflow)."""
+                  size: int) -> int:
+    """One tensor's type, shape and bytes checked against the file (Python integers: no overflow); returns where
+    its data ends."""
     try:
         ggml_type = GT(type_id)
         block, type_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
@@ -254,6 +255,7 @@ def _check_tensor(name: str, dims: list[int], type_id: int, offset: int, start: 
     end = start + offset + math.prod(dims) // block * type_bytes
     if end > size:
         raise GGUFError(f"file is truncated: tensor {name!r} ends at byte {end} but the file has {size} bytes")
+    return end
 
 
 def _check_layout(buf: Any, size: int) -> None:
@@ -281,8 +283,11 @@ def _check_layout(buf: Any, size: int) -> None:
         names.add(info[0])
         infos.append(info)
     start = -(-c.pos // alignment) * alignment
-    for info in infos:
-        _check_tensor(*info, start, alignment, size)
+    spans = sorted((start + info[3], _check_tensor(*info, start, alignment, size), info[0]) for info in infos)
+    for (_, end, name), (begin, _, after) in zip(spans, spans[1:]):
+        if end > begin:
+            raise GGUFError(f"tensor {name!r} ends at byte {end}, inside tensor {after!r} (which starts at byte "
+                            f"{begin}): the tensor table is corrupt")
 
 
 def _open_reader(path: str) -> gguf.GGUFReader:
@@ -450,7 +455,8 @@ def target_config_from_gguf(reader: gguf.GGUFReader, path: str = "<gguf>") -> Ta
     meta = _Metadata(reader, path)
     arch = meta.value("general.architecture")
     if arch != ARCH:
-        raise GGUFError(f"{path}: architecture {brief(arch)} is not supported (expected {ARCH!r}, Qwen3.5/3.6)")
+        raise GGUFError(f"{path}: general.architecture {brief(arch)} is not supported (expected {ARCH!r}, "
+                        f"Qwen3.5/3.6)")
     n_layer, n_mtp = _layer_counts(meta, len(reader.tensors))
     layer_types = _layer_types(meta, n_layer)
     num_heads = _attention_count(meta, _key("attention.head_count"), layer_types)

@@ -118,17 +118,18 @@ class Tokenizer:
         if model is None:
             raise TokenizerError(f"{where}: no tokenizer in the GGUF metadata (tokenizer.ggml.model is missing)")
         if model != "gpt2":
-            raise TokenizerError(f"{where}: tokenizer model {brief(model)} is not supported (only byte-level BPE, "
-                                 f"'gpt2')")
+            raise TokenizerError(f"{where}: tokenizer.ggml.model {brief(model)} is not supported (only byte-level "
+                                 f"BPE, 'gpt2')")
         pre = value("tokenizer.ggml.pre", "qwen2")
         if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
-            raise TokenizerError(f"{where}: pre-tokenizer {brief(pre)} is not supported "
+            raise TokenizerError(f"{where}: tokenizer.ggml.pre {brief(pre)} is not supported "
                                  f"({', '.join(PRE_TOKENIZERS)})")
         tokens = _list_of(value, "tokenizer.ggml.tokens", str, where)
         types = _list_of(value, "tokenizer.ggml.token_type", int, where, [1] * len(tokens))
         merges = _list_of(value, "tokenizer.ggml.merges", str, where, [])
         if len(types) != len(tokens):
-            raise TokenizerError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+            raise TokenizerError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} "
+                                 f"tokens")
         eos = _token_id(value, "tokenizer.ggml.eos_token_id", len(tokens), where)
         bos = _token_id(value, "tokenizer.ggml.bos_token_id", len(tokens), where)
         template = value("tokenizer.chat_template", None)
