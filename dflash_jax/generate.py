@@ -7,9 +7,10 @@ The prompt goes through the model's chat template (the GGUF's, else ChatML) unle
 tokenization. Generation stops at the end-of-sequence token, `<|im_end|>` or `<|endoftext|>`, or after `--n_gen`
 tokens. `--profile DIR` writes a jax.profiler trace of `--profile_steps` decode steps (after the first, which
 compiles) into DIR; `--compile_report` prints the compile seconds of each jitted function to stderr. Bad input
-(missing files, a model of another architecture, a drafter that does not fit, a prompt too long for `--max_ctx`,
-invalid flag values) ends with a one-line error on stderr and exit code 2; any other error is a bug, reported with its
-traceback and exit code 1.
+(missing or corrupt files, a model of another architecture, a drafter that does not fit, a prompt too long for
+`--max_ctx` or the model's context, caches larger than the free memory, invalid flag values) ends with a one-line
+error on stderr and exit code 2, before any weight loads where it can (docs/errors.md); any other error is a bug,
+reported with its traceback and exit code 1.
 """
 
 from __future__ import annotations
