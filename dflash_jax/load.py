@@ -31,7 +31,7 @@ from dflash_jax.models.draft import params_from_tensors as draft_params_from_ten
 from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
 from dflash_jax.models.target import params_from_tensors
 from dflash_jax.quant import QTensor, nonfinite_field
-from dflash_jax.weights import iter_hf_to_gguf
+from dflash_jax.weights import WeightsError, iter_hf_to_gguf
 
 HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -198,12 +198,15 @@ def _load_hf_dir(path: str, cfg: TargetConfig, progress: bool) -> Target:
         nbytes = {n: int(np.prod(info[n].get_shape())) * np.dtype(_DENSE_DTYPES[dtypes[n]]).itemsize for n in used}
         tensors = {}
         with _bar(sum(nbytes.values()), path, progress) as bar:
-            for name, hf_name, x in iter_hf_to_gguf(used, lambda n: where[n].get_tensor(n), convert_cfg):
-                if specs[name].kind == "matrix" and x.ndim == 2:  # kept in its stored precision (conversion permutes)
-                    fmt = dtypes[hf_name]
-                    x = QTensor(data={"w": x.astype(_DENSE_DTYPES[fmt])}, fmt=fmt, shape=x.shape)
-                tensors[name] = _on_device(_finite(path, hf_name, x))
-                bar.update(nbytes[hf_name])
+            try:
+                for name, hf_name, x in iter_hf_to_gguf(used, lambda n: where[n].get_tensor(n), convert_cfg):
+                    if specs[name].kind == "matrix" and x.ndim == 2:  # kept in its stored precision
+                        fmt = dtypes[hf_name]
+                        x = QTensor(data={"w": x.astype(_DENSE_DTYPES[fmt])}, fmt=fmt, shape=x.shape)
+                    tensors[name] = _on_device(_finite(path, hf_name, x))
+                    bar.update(nbytes[hf_name])
+            except WeightsError as e:
+                raise LoadError(f"{path}: {e}") from None
     return Target(cfg, params_from_tensors(cfg, tensors), path, None)
 
 

@@ -716,6 +716,32 @@ def test_every_bad_drafter_config_is_refused(tmp_path):
     assert not wrong, wrong
 
 
+HF_TENSOR_FAULTS = {  # name: (HF tensor, replacement given the original, the message)
+    "conv kernel of another rank": ("model.layers.0.linear_attn.conv1d.weight", lambda x: x[:, 0, :],
+                                    "has shape"),
+    "NaN in a norm": ("model.norm.weight", lambda x: np.full_like(x, np.nan), "NaN or infinite"),
+    "int32 weights": ("model.layers.1.mlp.up_proj.weight", lambda x: x.astype(np.int32), "is I32"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(HF_TENSOR_FAULTS))
+def test_bad_hf_weights_are_refused_naming_the_directory_and_tensor(fault, tmp_path):
+    from safetensors.numpy import save_file
+
+    from dflash_jax.load import LoadError, load_target
+    from dflash_jax.testing.tiny import random_gguf_tensors, tiny_target_config, write_hf_dir
+    from dflash_jax.weights import gguf_to_hf
+
+    cfg = tiny_target_config()
+    tensors = gguf_to_hf(random_gguf_tensors(cfg), cfg)
+    write_hf_dir(tmp_path, cfg, tensors)
+    name, replace, message = HF_TENSOR_FAULTS[fault]
+    save_file({**tensors, name: replace(tensors[name])}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(LoadError) as err:
+        load_target(tmp_path, progress=False)
+    assert str(err.value).startswith(f"{tmp_path}: ") and name in str(err.value) and message in str(err.value)
+
+
 def test_a_file_of_absurd_counts_is_refused_at_once(tmp_path):
     """The issue's two slow ones, in process: block_count 2^31 and an array of 2^60 entries, refused in well under
     a second (gguf-py alone walked the array for 41 s)."""
