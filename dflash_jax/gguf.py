@@ -533,14 +533,17 @@ class GGUFModel:
         return _Metadata(self.reader, self.path).value(key, default)
 
     def metadata(self) -> Iterator[tuple[str, Any]]:
-        """(key, value) for every metadata field, long arrays summarised."""
+        """(key, value) for every metadata field, long arrays summarised, text that is not UTF-8 said so."""
         for key, field in self.reader.fields.items():
             if key.startswith("GGUF."):
                 continue
             if field.types and field.types[0] == VT.ARRAY and len(field.data) > 16:
                 yield key, f"[{len(field.data)} x {field.types[-1].name.lower()}]"
-            else:
+                continue
+            try:
                 yield key, field.contents()
+            except UnicodeDecodeError:
+                yield key, "<text that is not valid UTF-8>"
 
     def raw(self, name: str) -> np.ndarray:
         """The stored data of a tensor as gguf-py maps it (no copy)."""

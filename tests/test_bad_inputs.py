@@ -203,3 +203,12 @@ def test_chat_refuses_a_line_that_is_not_utf8_and_reads_on():
                           timeout=300, input=b"hi \xff\n/exit\n", env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.decode().splitlines()[-1] == "chat: the line is not valid UTF-8 (byte 0xff at character 3)"
+
+
+def test_inspect_metadata_shows_text_that_is_not_utf8_as_such(tmp_path):
+    path = tmp_path / "name.gguf"
+    path.write_bytes(patched((KEY["general.name"].value_pos + 8, b"\xff")))
+    proc = _run(str(path), "--metadata", "--notensors", module="inspect")
+    assert proc.returncode == 0, proc.stderr
+    assert any(line.split() == ["general.name", "<text", "that", "is", "not", "valid", "UTF-8>"]
+               for line in proc.stdout.splitlines())
