@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from dflash_jax.errors import InputError, run_main
 from dflash_jax.generate import define_model_flags, engine_from_flags, parse_flags
-from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.tokenizer import Tokenizer, require_utf8
 
 PROMPT = ">>> "
 
@@ -96,10 +96,13 @@ def run(argv: Sequence[str]) -> int:
     from absl import flags
 
     f = flags.FLAGS
+    if f.system is not None:
+        require_utf8(f.system, "--system")
     engine, models, target_path = engine_from_flags(argv)
     chat = Conversation(engine, models.tokenizer, system=f.system, thinking=f.thinking, n_gen=f.n_gen)
     print(f"dflash-jax chat: {target_path} ({f.mode}); Ctrl+C stops a reply, /reset starts over, Ctrl+D quits.",
           file=sys.stderr)
+    sys.stdin.reconfigure(errors="surrogateescape")  # a line that is not UTF-8 is refused below, not a traceback
     while True:
         try:
             line = input(PROMPT)
@@ -116,6 +119,11 @@ def run(argv: Sequence[str]) -> int:
             print("(conversation cleared)", file=sys.stderr)
             continue
         if not line.strip():
+            continue
+        try:
+            require_utf8(line, "the line")
+        except InputError as e:
+            print(f"chat: {e}", file=sys.stderr)
             continue
         try:
             gen, prefilled = chat.reply(line, _write)

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
-from dflash_jax.errors import InputError
+from dflash_jax.errors import InputError, brief
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# Sane limits on sizes read from a file, checked before anything is built from them:
+MAX_LAYERS = 1024  # a model's layers (the 27B has 64): more is a corrupt file, not a model
+MAX_SIZE = 2**31 - 1  # a width, head count, vocabulary or context: int32 quantities on the device
+MAX_JSON_BYTES = 64 << 20  # a config.json is a few KB
 
 
 class ConfigError(InputError):
@@ -218,6 +223,69 @@ def _require(d: Mapping[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
+def _entry(d: Mapping[str, Any], key: str, where: str, default: Any) -> Any:
+    """d[key], or the default when it is absent or null (`...`: required)."""
+    return _require(d, key, where) if default is ... else default if d.get(key) is None else d[key]
+
+
+def _int(d: Mapping[str, Any], key: str, where: str, default: Any = ..., lo: int = 0, hi: int = MAX_SIZE) -> int:
+    """An integer entry in [lo, hi] (a float that is a whole number, as JSON may write 1e3, counts)."""
+    v = _entry(d, key, where, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise ConfigError(f"{where}: {key} should be an integer, found {brief(v)}")
+    if not lo <= v <= hi:
+        raise ConfigError(f"{where}: {key} is {brief(v)}, expected {lo} to {hi}")
+    return int(v)
+
+
+def _positive(d: Mapping[str, Any], key: str, where: str, default: Any = ..., hi: float = math.inf) -> float:
+    """A finite number entry in (0, hi]."""
+    v = _entry(d, key, where, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= hi and math.isfinite(v)):
+        bound = "a finite positive number" if hi == math.inf else f"a number in (0, {hi}]"
+        raise ConfigError(f"{where}: {key} should be {bound}, found {brief(v)}")
+    return float(v)
+
+
+def _ints(d: Mapping[str, Any], key: str, where: str, default: Any = ..., max_len: int = MAX_LAYERS) -> list[int]:
+    """A list of at most max_len non-negative integers."""
+    v = _entry(d, key, where, default)
+    if not isinstance(v, (list, tuple)) or len(v) > max_len:
+        raise ConfigError(f"{where}: {key} should be a list of at most {max_len} integers, found {brief(v)}")
+    return [_int({key: x}, key, where) for x in v]
+
+
+def _strings(d: Mapping[str, Any], key: str, where: str) -> list[str] | None:
+    """A list of strings, or None when the entry is absent or null."""
+    v = d.get(key)
+    if v is not None and (not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
+        raise ConfigError(f"{where}: {key} should be a list of strings, found {brief(v)}")
+    return v
+
+
+def _mapping(d: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    """A JSON object entry ({} when absent or null)."""
+    v = d.get(key)
+    if v is not None and not isinstance(v, Mapping):
+        raise ConfigError(f"{where}: {key} should be a JSON object, found {brief(v)}")
+    return v or {}
+
+
+def _bool(d: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    v = _entry(d, key, where, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: {key} should be true or false, found {brief(v)}")
+    return v
+
+
+def _built(cls: type, where: str, **fields: Any) -> Any:
+    """cls(**fields), its own consistency checks' errors prefixed with where."""
+    try:
+        return cls(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def rope_sections(sections: Any) -> tuple[int, ...]:
     """mRoPE sections padded to GGUF's four entries (HF configs list three, Ollama files too)."""
     sections = tuple(int(s) for s in sections)
@@ -232,57 +300,68 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int
     return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
 
 
-def _rope_params(d: Mapping[str, Any]) -> dict[str, Any]:
+def _rope_params(d: Mapping[str, Any], where: str) -> dict[str, Any]:
     """rope_parameters (transformers 5) merged over the older rope_theta / rope_scaling keys."""
     params: dict[str, Any] = {}
     for key in ("rope_theta", "partial_rotary_factor"):
         if d.get(key) is not None:
             params[key] = d[key]
     for key in ("rope_scaling", "rope_parameters"):
-        if isinstance(d.get(key), Mapping):
-            params.update({k: v for k, v in d[key].items() if v is not None})
+        params.update({k: v for k, v in _mapping(d, key, where).items() if v is not None})
     return params
+
+
+def _layer_types(d: Mapping[str, Any], where: str, num_layers: int) -> tuple[str, ...]:
+    """layer_types, or every full_attention_interval-th layer full attention."""
+    layer_types = _strings(d, "layer_types", where)
+    if layer_types is None:
+        interval = _int(d, "full_attention_interval", where, 4, lo=1, hi=num_layers)
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+    return tuple(layer_types)
+
+
+def _text_config(d: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """The text model's config: the VLM's text_config (with the top level's tie_word_embeddings), or d itself."""
+    if "text_config" not in d:
+        return d
+    tie = d.get("tie_word_embeddings")
+    return {**_mapping(d, "text_config", where), **({"tie_word_embeddings": tie} if tie is not None else {})}
 
 
 def target_config_from_hf(d: Mapping[str, Any], where: str = "config") -> TargetConfig:
     """TargetConfig from an HF Qwen3.5 config dict (`Qwen3_5ForCausalLM`, or the text part of the VLM config)."""
-    if "text_config" in d:
-        tie = d.get("tie_word_embeddings")
-        d = {**d["text_config"], **({"tie_word_embeddings": tie} if tie is not None else {})}
+    d = _text_config(d, where)
     model_type = d.get("model_type")
     if model_type not in (None, "qwen3_5_text", "qwen3_5"):
-        raise ConfigError(f"{where}: model_type {model_type!r} is not a Qwen3.5/3.6 text model "
+        raise ConfigError(f"{where}: model_type {brief(model_type)} is not a Qwen3.5/3.6 text model "
                           f"(expected 'qwen3_5_text' or 'qwen3_5')")
-    num_layers = int(_require(d, "num_hidden_layers", where))
-    layer_types = d.get("layer_types")
-    if layer_types is None:
-        interval = int(d.get("full_attention_interval", 4))
-        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
-    head_dim = int(d.get("head_dim", 256))
-    rope = _rope_params(d)
+    num_layers = _int(d, "num_hidden_layers", where, lo=1, hi=MAX_LAYERS)
+    head_dim = _int(d, "head_dim", where, 256, lo=1)
+    rope = _rope_params(d, where)
     if rope.get("rope_type", "default") not in ("default", "mrope"):
-        raise ConfigError(f"{where}: rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
-    return TargetConfig(
-        vocab_size=int(_require(d, "vocab_size", where)),
-        hidden_size=int(_require(d, "hidden_size", where)),
-        intermediate_size=int(_require(d, "intermediate_size", where)),
+        raise ConfigError(f"{where}: rope_type {brief(rope['rope_type'])} is not supported (only plain RoPE)")
+    return _built(
+        TargetConfig, where,
+        vocab_size=_int(d, "vocab_size", where, lo=1),
+        hidden_size=_int(d, "hidden_size", where, lo=1),
+        intermediate_size=_int(d, "intermediate_size", where, lo=1),
         num_layers=num_layers,
-        layer_types=tuple(layer_types),
-        num_heads=int(_require(d, "num_attention_heads", where)),
-        num_kv_heads=int(_require(d, "num_key_value_heads", where)),
+        layer_types=_layer_types(d, where, num_layers),
+        num_heads=_int(d, "num_attention_heads", where, lo=1),
+        num_kv_heads=_int(d, "num_key_value_heads", where, lo=1),
         head_dim=head_dim,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_dim=int(head_dim * float(rope.get("partial_rotary_factor", 0.25))),
-        rope_sections=rope_sections(rope.get("mrope_section", (11, 11, 10))),
-        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
-        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
-        conv_kernel=int(d.get("linear_conv_kernel_dim", 4)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        num_mtp_layers=int(d.get("mtp_num_hidden_layers", 0) or 0),
+        rope_theta=_positive(rope, "rope_theta", where, 10000.0),
+        rope_dim=int(head_dim * _positive(rope, "partial_rotary_factor", where, 0.25, hi=1.0)),
+        rope_sections=rope_sections(_ints(rope, "mrope_section", where, (11, 11, 10), max_len=4)),
+        linear_num_key_heads=_int(d, "linear_num_key_heads", where, 16, lo=1),
+        linear_num_value_heads=_int(d, "linear_num_value_heads", where, 32, lo=1),
+        linear_key_head_dim=_int(d, "linear_key_head_dim", where, 128, lo=1),
+        linear_value_head_dim=_int(d, "linear_value_head_dim", where, 128, lo=1),
+        conv_kernel=_int(d, "linear_conv_kernel_dim", where, 4, lo=1),
+        rms_norm_eps=_positive(d, "rms_norm_eps", where, 1e-6),
+        max_position_embeddings=_int(d, "max_position_embeddings", where, 32768, lo=1),
+        tie_word_embeddings=_bool(d, "tie_word_embeddings", where, False),
+        num_mtp_layers=_int(d, "mtp_num_hidden_layers", where, 0, hi=MAX_LAYERS),
     )
 
 
@@ -320,41 +399,40 @@ def target_config_to_hf(cfg: TargetConfig) -> dict[str, Any]:
     }
 
 
+def _either(d: Mapping[str, Any], dflash: Mapping[str, Any], key: str, first: str) -> dict[str, Any]:
+    """{key: value} from the top level or dflash_config, `first` ("top" or "dflash") looked at first."""
+    order = (d, dflash) if first == "top" else (dflash, d)
+    return {key: next((src[key] for src in order if src.get(key) is not None), None)}
+
+
 def draft_config_from_hf(d: Mapping[str, Any], where: str = "config") -> DraftConfig:
     """DraftConfig from a z-lab DFlash config.json (`DFlashDraftModel`)."""
-    num_layers = int(_require(d, "num_hidden_layers", where))
-    layer_types = d.get("layer_types") or [FULL_ATTENTION] * num_layers
-    dflash = d.get("dflash_config") or {}
-    num_target_layers = int(_require(d, "num_target_layers", where))
-    taps = dflash.get("target_layer_ids")
-    if taps is None:
-        taps = default_target_layer_ids(num_target_layers, num_layers)
-    mask_token_id = dflash.get("mask_token_id", d.get("mask_token_id"))
-    if mask_token_id is None:
-        raise ConfigError(f"{where}: missing dflash_config.mask_token_id")
-    block_size = d.get("block_size", dflash.get("block_size"))
-    if block_size is None:
-        raise ConfigError(f"{where}: missing block_size")
-    hidden = int(_require(d, "hidden_size", where))
-    heads = int(_require(d, "num_attention_heads", where))
+    num_layers = _int(d, "num_hidden_layers", where, lo=1, hi=MAX_LAYERS)
+    dflash = _mapping(d, "dflash_config", where)
+    num_target_layers = _int(d, "num_target_layers", where, lo=1, hi=MAX_LAYERS)
+    taps = _ints(dflash, "target_layer_ids", f"{where}: dflash_config",
+                 default_target_layer_ids(num_target_layers, num_layers))
+    hidden = _int(d, "hidden_size", where, lo=1)
+    heads = _int(d, "num_attention_heads", where, lo=1)
     window = d.get("sliding_window")
-    return DraftConfig(
-        vocab_size=int(_require(d, "vocab_size", where)),
+    return _built(
+        DraftConfig, where,
+        vocab_size=_int(d, "vocab_size", where, lo=1),
         hidden_size=hidden,
-        intermediate_size=int(_require(d, "intermediate_size", where)),
+        intermediate_size=_int(d, "intermediate_size", where, lo=1),
         num_layers=num_layers,
-        layer_types=tuple(layer_types),
+        layer_types=tuple(_strings(d, "layer_types", where) or [FULL_ATTENTION] * num_layers),
         num_heads=heads,
-        num_kv_heads=int(d.get("num_key_value_heads", heads)),
-        head_dim=int(d.get("head_dim") or hidden // heads),
-        rope_theta=float(_rope_params(d).get("rope_theta", 10000.0)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        sliding_window=int(window) if window is not None else None,
-        block_size=int(block_size),
-        mask_token_id=int(mask_token_id),
-        target_layer_ids=tuple(int(i) for i in taps),
+        num_kv_heads=_int(d, "num_key_value_heads", where, heads, lo=1),
+        head_dim=_int(d, "head_dim", where, hidden // heads, lo=1),
+        rope_theta=_positive(_rope_params(d, where), "rope_theta", where, 10000.0),
+        rms_norm_eps=_positive(d, "rms_norm_eps", where, 1e-6),
+        sliding_window=None if window is None else _int(d, "sliding_window", where),
+        block_size=_int(_either(d, dflash, "block_size", "top"), "block_size", where, hi=MAX_TREE_NODES),
+        mask_token_id=_int(_either(d, dflash, "mask_token_id", "dflash"), "mask_token_id", where),
+        target_layer_ids=tuple(taps),
         num_target_layers=num_target_layers,
-        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        max_position_embeddings=_int(d, "max_position_embeddings", where, 32768, lo=1),
     )
 
 
@@ -374,14 +452,22 @@ def draft_config_to_hf(cfg: DraftConfig) -> dict[str, Any]:
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
-    """A JSON object from a file, with a clear error for a missing or malformed file."""
+    """A JSON object from a file, with a one-line error naming the file for a missing, oversized, non-UTF-8,
+    malformed or too deeply nested one."""
     try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+        if os.path.getsize(path) > MAX_JSON_BYTES:
+            raise ConfigError(f"{path}: {os.path.getsize(path)} bytes is too large for a JSON config "
+                              f"(at most {MAX_JSON_BYTES})")
+        with open(path, "rb") as f:
+            d = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: expected a JSON object, found {type(d).__name__}")
     return d

@@ -54,6 +54,26 @@ def device_class(device: jax.Device | None = None) -> str:
     return "hopper" if str(getattr(device, "compute_capability", "")).startswith("9") else "gpu"
 
 
+def host_memory() -> int | None:
+    """Bytes of host memory available to allocate now (/proc/meminfo's MemAvailable; None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def free_memory(device: jax.Device | None = None) -> int | None:
+    """Bytes a device (default: JAX's first) can still allocate: its allocator's limit less what is in use on a GPU,
+    the host's available memory on a CPU (None where neither is known)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return host_memory() if device.platform == "cpu" else None
+
+
 def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | None = None,
                     small_rows: int | None = None, numerics: str | None = None, device: str | None = None
                     ) -> KernelConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 USAGE_ERROR = 2
 INTERRUPTED = 130
@@ -13,6 +13,12 @@ UNREADABLE = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
 
 class InputError(ValueError):
     """Bad input (flags, files, models, prompts, requests): the base of every input error the package raises."""
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """A value's repr cut to `limit` characters, for one-line messages about values read from a file."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def one_line(e: BaseException) -> str:

@@ -8,9 +8,10 @@ The prompt goes through the model's chat template (the GGUF's, else ChatML) unle
 tokenization. Generation stops at the end-of-sequence token, `<|im_end|>` or `<|endoftext|>`, or after `--n_gen`
 tokens. `--profile DIR` writes a jax.profiler trace of `--profile_steps` decode steps (after the first, which
 compiles) into DIR; `--compile_report` prints the compile seconds of each jitted function to stderr. Bad input
-(missing files, a model of another architecture, a drafter that does not fit, a prompt too long for `--max_ctx`,
-invalid flag values) ends with a one-line error on stderr and exit code 2; any other error is a bug, reported with its
-traceback and exit code 1.
+(missing or corrupt files, a model of another architecture, a drafter that does not fit, a prompt too long for
+`--max_ctx` or the model's context, caches larger than the free memory, invalid flag values) ends with a one-line
+error on stderr and exit code 2, before any weight loads where it can (docs/errors.md); any other error is a bug,
+reported with its traceback and exit code 1.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from typing import Sequence
 
 from dflash_jax import assets
 from dflash_jax.config import DRAFT_RULES, KV_DTYPES, NUMERICS, EngineConfig, KernelConfig
-from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, resolve_engine, resolve_kernels
+from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, free_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
+from dflash_jax.engine.prefill import check_tokens
 from dflash_jax.engine.sampling import SEED_LIMIT, SamplingParams
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
-from dflash_jax.load import load_draft, load_target
+from dflash_jax.load import TargetFile, draft_config, load_draft, load_target, open_target, target_tokenizer
 from dflash_jax.profiling import CompileLog, StepTrace
 from dflash_jax.score import read_ids
-from dflash_jax.tokenizer import Tokenizer, load_tokenizer
+from dflash_jax.tokenizer import Tokenizer, require_utf8
 
 CTX_ROUND = 256  # --max_ctx 0 fits prompt + n_gen, rounded up to this (fewer distinct cache shapes to compile)
 
@@ -61,22 +63,50 @@ def resolve_paths(target: str | None, draft: str | None) -> tuple[str, str | Non
     return target, draft
 
 
-def load_models(target_path: str, draft_path: str | None, mode: str, kcfg: KernelConfig,
-                progress: bool = True) -> Models:
-    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other, laid out for `kcfg`."""
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """A target's header (or config.json), its tokenizer and the drafter to load (None in ar mode), all checked
+    before any weight is read."""
+
+    target: TargetFile
+    tokenizer: Tokenizer
+    draft_path: str | None
+    open_s: float
+
+
+def open_models(target_path: str, draft_path: str | None, mode: str) -> Opened:
+    """Open the target's header, its tokenizer and (unless mode is ar) the drafter's config, each checked against
+    the others, reading no weight: bad files are refused before the slow part."""
     for path in (target_path, draft_path):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{path}: no such file or directory")
     if mode != "ar" and draft_path is None:
         raise UsageError(f"--mode {mode} needs a drafter: pass --draft DIR (or use --mode ar)")
     t0 = time.perf_counter()
-    target = load_target(target_path, progress=progress, kcfg=kcfg)
-    tokenizer = load_tokenizer(target_path)
+    target = open_target(target_path)
+    tokenizer = target_tokenizer(target)
     if tokenizer.vocab_size > target.config.vocab_size:
         raise UsageError(f"{target_path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"only {target.config.vocab_size}")
-    draft = load_draft(draft_path, target.config, progress=progress, kcfg=kcfg) if mode != "ar" else None
-    return Models(target, draft, tokenizer, time.perf_counter() - t0)
+    if mode != "ar":
+        draft_config(draft_path, target.config)
+    return Opened(target, tokenizer, draft_path if mode != "ar" else None, time.perf_counter() - t0)
+
+
+def load_weights(opened: Opened, kcfg: KernelConfig, progress: bool = True) -> Models:
+    """Load the weights of opened models, laid out for `kcfg`."""
+    t0 = time.perf_counter()
+    target = load_target(opened.target, progress=progress, kcfg=kcfg)
+    draft = None
+    if opened.draft_path is not None:
+        draft = load_draft(opened.draft_path, target.config, progress=progress, kcfg=kcfg)
+    return Models(target, draft, opened.tokenizer, opened.open_s + time.perf_counter() - t0)
+
+
+def load_models(target_path: str, draft_path: str | None, mode: str, kcfg: KernelConfig,
+                progress: bool = True) -> Models:
+    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other, laid out for `kcfg`."""
+    return load_weights(open_models(target_path, draft_path, mode), kcfg, progress)
 
 
 def prompt_tokens(tokenizer: Tokenizer, text: str, *, system: str | None = None, raw: bool = False,
@@ -88,13 +118,39 @@ def prompt_tokens(tokenizer: Tokenizer, text: str, *, system: str | None = None,
     return tokenizer.encode(tokenizer.render_chat(messages, enable_thinking=thinking))
 
 
-def fit_max_ctx(requested: int, prompt_len: int, n_gen: int) -> int:
-    """The context to allocate: the requested one, or (0) prompt + n_gen rounded up to CTX_ROUND."""
+def fit_max_ctx(requested: int, prompt_len: int, n_gen: int, context: int | None = None) -> int:
+    """The context to allocate: the requested one, or (0) prompt + n_gen rounded up to CTX_ROUND; with the model's
+    `context` (its max_position_embeddings), never past it."""
+    if context is not None and prompt_len + n_gen > context:
+        raise UsageError(f"prompt of {prompt_len} tokens + --n_gen {n_gen} exceeds the model's context of {context} "
+                         f"tokens (shorten the prompt or lower --n_gen)")
     if requested:
+        if context is not None and requested > context:
+            raise UsageError(f"--max_ctx {requested} exceeds the model's context of {context} tokens")
         if prompt_len + n_gen > requested:
             raise UsageError(f"prompt of {prompt_len} tokens + --n_gen {n_gen} exceeds --max_ctx {requested}")
         return requested
-    return -(-(prompt_len + n_gen) // CTX_ROUND) * CTX_ROUND
+    rounded = -(-(prompt_len + n_gen) // CTX_ROUND) * CTX_ROUND
+    return rounded if context is None else min(rounded, context)
+
+
+def check_memory(engine: Engine) -> None:
+    """Refuse a context whose caches would not fit the device's free memory, before they are allocated."""
+    need, free = engine.state_bytes(), free_memory()
+    if free is not None and need > free:
+        raise UsageError(f"a context of {engine.ecfg.max_ctx} tokens needs {need / 2**30:.2f} GiB of caches, but the "
+                         f"device has {free / 2**30:.2f} GiB free (lower --max_ctx or --n_gen)")
+
+
+def read_prompt(flag: str | None) -> str:
+    """The prompt of --prompt, else stdin's bytes, checked to be UTF-8 text (one line naming where it is not)."""
+    if flag is not None:
+        return require_utf8(flag, "--prompt")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def default_jit_cache() -> str:
@@ -161,6 +217,32 @@ def describe(ecfg: EngineConfig, engine) -> str:
     return f"ddtree: budget {t['budget']}, top-K {t['topk']}, {'' if t['chain_seed'] else 'no '}chain seed"
 
 
+def prompt_input(f) -> tuple[list[int] | None, str | None]:
+    """(ids, None) from --prompt_ids or (None, text) from --prompt or stdin, checked before any model is opened."""
+    if f.prompt is not None and f.prompt_ids is not None:
+        raise UsageError("pass either --prompt or --prompt_ids, not both")
+    if f.system is not None:
+        require_utf8(f.system, "--system")
+    if f.prompt_ids is not None:
+        ids = read_ids(f.prompt_ids, flag="--prompt_ids").tolist()
+        fit_max_ctx(f.max_ctx, len(ids), f.n_gen)
+        return ids, None
+    text = read_prompt(f.prompt)
+    if not text.strip():
+        raise UsageError("empty prompt: pass --prompt TEXT, --prompt_ids, or text on stdin")
+    return None, text
+
+
+def stats_line(ecfg: EngineConfig, engine: Engine, kcfg: KernelConfig, models: Models, prompt_len: int,
+               gen, sampling: SamplingParams) -> str:
+    """What --stats prints."""
+    return (f"[{describe(ecfg, engine)}] load {models.load_s:.1f} s; prompt {prompt_len} tokens, prefill "
+            f"{gen.prefill_s:.2f} s (with compiling); decode {sum(gen.accept_lengths)} tokens in {gen.decode_s:.2f} s "
+            f"over {gen.steps} steps, acceptance length {gen.mean_accept_length:.2f}: first step "
+            f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()} "
+            f"({device_class()}): {kcfg.describe()}; {ecfg.kv_dtype} KV cache; {sampling.describe()}")
+
+
 def run(argv: Sequence[str]) -> int:
     """The command; returns its exit code."""
     from absl import flags, logging
@@ -170,27 +252,23 @@ def run(argv: Sequence[str]) -> int:
     enable_jit_cache(f.jit_cache)
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])} (the prompt goes in --prompt or stdin)")
-    if f.prompt is not None and f.prompt_ids is not None:
-        raise UsageError("pass either --prompt or --prompt_ids, not both")
     check_profile_dir(f.profile)
     target_path, draft_path = resolve_paths(f.target, f.draft)
     ecfg, kcfg = resolve_flags(f, max_ctx=f.max_ctx or CTX_ROUND)  # checks the values; max_ctx is fitted below
     sampling = sampling_from_flags(f)
-    if f.prompt_ids is not None:
-        ids = read_ids(f.prompt_ids, flag="--prompt_ids").tolist()
-        fit_max_ctx(f.max_ctx, len(ids), f.n_gen)  # before loading anything
-    else:
-        text = f.prompt if f.prompt is not None else sys.stdin.read()
-        if not text.strip():
-            raise UsageError("empty prompt: pass --prompt TEXT, --prompt_ids, or text on stdin")
+    ids, text = prompt_input(f)
     log = CompileLog() if f.compile_report else None
     with contextlib.nullcontext() if log is None else log:  # compiles of loading and generating
-        models = load_models(target_path, draft_path, f.mode, kcfg, progress=not f.json)
-        tok = models.tokenizer
-        if f.prompt_ids is None:
+        opened = open_models(target_path, draft_path, f.mode)
+        tok, cfg = opened.tokenizer, opened.target.config
+        if ids is None:
             ids = prompt_tokens(tok, text, system=f.system, raw=f.raw, thinking=f.thinking)
-        ecfg = dataclasses.replace(ecfg, max_ctx=fit_max_ctx(f.max_ctx, len(ids), f.n_gen))
+        check_tokens(cfg, ids)  # every check of the prompt before the weights load
+        ecfg = dataclasses.replace(ecfg, max_ctx=fit_max_ctx(f.max_ctx, len(ids), f.n_gen,
+                                                             cfg.max_position_embeddings))
+        models = load_weights(opened, kcfg, progress=not f.json)
         engine = Engine.from_loaded(models.target, models.draft, ecfg)
+        check_memory(engine)
         decoder = tok.stream(skip_stops=True)
 
         def stream(new: list[int]) -> None:
@@ -224,13 +302,7 @@ def run(argv: Sequence[str]) -> int:
     else:
         sys.stdout.write(decoder.flush() + "\n")
     if f.stats:
-        emitted = sum(gen.accept_lengths)
-        print(f"[{describe(ecfg, engine)}] load {models.load_s:.1f} s; prompt {len(ids)} tokens, prefill "
-              f"{gen.prefill_s:.2f} s (with compiling); decode {emitted} tokens in {gen.decode_s:.2f} s over "
-              f"{gen.steps} steps, acceptance length {gen.mean_accept_length:.2f}: first step "
-              f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()} "
-              f"({device_class()}): {kcfg.describe()}; {ecfg.kv_dtype} KV cache; {sampling.describe()}",
-              file=sys.stderr)
+        print(stats_line(ecfg, engine, kcfg, models, len(ids), gen, sampling), file=sys.stderr)
     if tracer is not None:
         print(f"profile: {tracer.traced_steps} steps traced into {f.profile} (open the .trace.json.gz in "
               "ui.perfetto.dev or the directory in TensorBoard)", file=sys.stderr)
@@ -349,11 +421,19 @@ def _underscored(arg: str, known) -> str:
     return arg
 
 
+HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpshort", "-helpshort", "--helpfull", "-helpfull")
+
+
 def parse_flags(argv: list[str], command: str = "generate") -> list[str]:
-    """absl flag parsing with bad flags reported as one line and exit code 2 (absl's default is a usage dump)."""
-    from absl import flags
+    """absl flag parsing with bad flags reported as one line and exit code 2 (absl's default is a usage dump), and
+    --help printed to stdout with exit code 0 (absl's exits with 1)."""
+    from absl import app, flags
 
     end = argv.index("--") if "--" in argv else len(argv)
+    asked = [a for a in argv[1:end] if a in HELP_FLAGS]
+    if asked:
+        app.usage(shorthelp=not any(a.endswith("helpfull") for a in asked), writeto_stdout=True)
+        sys.exit(0)
     try:
         return flags.FLAGS([argv[0], *(_underscored(a, flags.FLAGS) for a in argv[1:end]), *argv[end:]])
     except flags.Error as e:

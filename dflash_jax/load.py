@@ -23,15 +23,15 @@ from tqdm.auto import tqdm
 
 from dflash_jax.config import (ConfigError, DraftConfig, KernelConfig, TargetConfig, draft_config_from_hf, read_json,
                                target_config_from_hf)
-from dflash_jax.errors import InputError
+from dflash_jax.errors import InputError, brief
 from dflash_jax.gguf import GGUFModel, tensor_specs
 from dflash_jax.kernels import REFERENCE, prepare_matrices, prepare_matrix
 from dflash_jax.models.draft import check_pair
 from dflash_jax.models.draft import params_from_tensors as draft_params_from_tensors
 from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
 from dflash_jax.models.target import params_from_tensors
-from dflash_jax.quant import QTensor
-from dflash_jax.weights import iter_hf_to_gguf
+from dflash_jax.quant import QTensor, nonfinite_field
+from dflash_jax.weights import WeightsError, iter_hf_to_gguf
 
 HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -56,14 +56,45 @@ class Target:
     kcfg: KernelConfig = REFERENCE
 
 
-def load_target(path: str | os.PathLike, *, progress: bool = True, kcfg: KernelConfig = REFERENCE) -> Target:
-    """A target from a GGUF file or an HF `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory,
-    its quantized matrices repacked for `kcfg`'s kernels as they load (`dflash_jax.defaults.resolve_kernels` gives the
-    device's configuration; the default is the reference path)."""
+@dataclasses.dataclass(frozen=True)
+class TargetFile:
+    """A target opened and checked without loading a weight: its path, config, and the open GGUF (None for an HF
+    directory, whose config is all that is read)."""
+
+    path: str
+    config: TargetConfig
+    gguf: GGUFModel | None
+
+
+def open_target(path: str | os.PathLike) -> TargetFile:
+    """A GGUF file's header and tensor table, or an HF directory's config.json, read and checked."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
-    target = _load_hf_dir(path, progress) if os.path.isdir(path) else _load_gguf(path, progress, kcfg)
+    if os.path.isdir(path):
+        return TargetFile(path, hf_target_config(path), None)
+    model = GGUFModel(path)
+    return TargetFile(path, model.config, model)
+
+
+def target_tokenizer(target: TargetFile):
+    """The tokenizer of an opened target: its GGUF's metadata (the header is not parsed again), or its HF
+    directory's tokenizer files."""
+    from dflash_jax.tokenizer import Tokenizer
+
+    if target.gguf is None:
+        return Tokenizer.from_hf_dir(target.path)
+    return Tokenizer.from_metadata(target.gguf.metadata_value, target.path)
+
+
+def load_target(path: str | os.PathLike | TargetFile, *, progress: bool = True,
+                kcfg: KernelConfig = REFERENCE) -> Target:
+    """A target from a GGUF file or an HF `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory (or
+    one `open_target` opened), its quantized matrices repacked for `kcfg`'s kernels as they load
+    (`dflash_jax.defaults.resolve_kernels` gives the device's configuration; the default is the reference path)."""
+    source = path if isinstance(path, TargetFile) else open_target(path)
+    target = (_load_gguf(source.gguf, progress, kcfg) if source.gguf is not None
+              else _load_hf_dir(source.path, source.config, progress))
     # the embedding is read by row and stays a QTensor; a tied lm_head gets its own packed copy here
     return dataclasses.replace(target, params=prepare_matrices(target.params, kcfg, skip=("embed",)), kcfg=kcfg)
 
@@ -77,9 +108,15 @@ def _on_device(x: QTensor | np.ndarray):
     return jax.tree.map(jnp.asarray, x)
 
 
-def _load_gguf(path: str, progress: bool, kcfg: KernelConfig) -> Target:
-    model = GGUFModel(path)
-    cfg = model.config
+def _finite(path: str, name: str, x: QTensor | np.ndarray) -> QTensor | np.ndarray:
+    """x, after checking that its values hold no NaN or infinity (a corrupt file)."""
+    if nonfinite_field(x.data if isinstance(x, QTensor) else {"values": x}) is not None:
+        raise LoadError(f"{path}: tensor {name!r} holds NaN or infinite values (the file is corrupt)")
+    return x
+
+
+def _load_gguf(model: GGUFModel, progress: bool, kcfg: KernelConfig) -> Target:
+    path, cfg = model.path, model.config
     # MTP blocks (blk.N and up) are not used by the engine: skip their bytes.
     names = [n for n in model.tensors if not (n.startswith("blk.") and int(n.split(".")[1]) >= cfg.num_layers)]
     tensors = {}
@@ -92,13 +129,20 @@ def _load_gguf(path: str, progress: bool, kcfg: KernelConfig) -> Target:
     return Target(cfg, params_from_tensors(cfg, tensors), path, model)
 
 
+def _architectures(d: dict, where: str) -> list[str]:
+    archs = d.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise LoadError(f"{where}: architectures should be a list of strings, found {brief(archs)}")
+    return archs
+
+
 def hf_target_config(path: str) -> TargetConfig:
     """The TargetConfig of an HF directory, after checking that it holds a Qwen3.5/3.6 model."""
     where = os.path.join(path, "config.json")
     if not os.path.exists(where):
         raise LoadError(f"{path}: not a model directory (no config.json)")
     d = read_json(where)
-    archs = d.get("architectures") or []
+    archs = _architectures(d, where)
     if not any(a in HF_ARCHITECTURES for a in archs) and not (not archs and d.get("model_type") in HF_MODEL_TYPES):
         found = ", ".join(archs) if archs else f"model_type {d.get('model_type')!r}"
         raise LoadError(f"{where}: {found} is not a Qwen3.5/3.6 model (expected {' or '.join(HF_ARCHITECTURES)})")
@@ -112,6 +156,8 @@ def _safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         weight_map = read_json(index).get("weight_map") or {}
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise LoadError(f"{index}: weight_map should map tensor names to file names, found {brief(weight_map)}")
         files = sorted({os.path.join(path, f) for f in weight_map.values()})
         missing = [f for f in files if not os.path.exists(f)]
         if missing:
@@ -138,8 +184,7 @@ def _open_safetensors(files: list[str]) -> Iterator[dict]:
         yield where
 
 
-def _load_hf_dir(path: str, progress: bool) -> Target:
-    cfg = hf_target_config(path)
+def _load_hf_dir(path: str, cfg: TargetConfig, progress: bool) -> Target:
     specs = tensor_specs(cfg)
     with _open_safetensors(_safetensors_files(path)) as where:
         info = {name: h.get_slice(name) for name, h in where.items()}
@@ -153,12 +198,15 @@ def _load_hf_dir(path: str, progress: bool) -> Target:
         nbytes = {n: int(np.prod(info[n].get_shape())) * np.dtype(_DENSE_DTYPES[dtypes[n]]).itemsize for n in used}
         tensors = {}
         with _bar(sum(nbytes.values()), path, progress) as bar:
-            for name, hf_name, x in iter_hf_to_gguf(used, lambda n: where[n].get_tensor(n), convert_cfg):
-                if specs[name].kind == "matrix" and x.ndim == 2:  # kept in its stored precision (conversion permutes)
-                    fmt = dtypes[hf_name]
-                    x = QTensor(data={"w": x.astype(_DENSE_DTYPES[fmt])}, fmt=fmt, shape=x.shape)
-                tensors[name] = _on_device(x)
-                bar.update(nbytes[hf_name])
+            try:
+                for name, hf_name, x in iter_hf_to_gguf(used, lambda n: where[n].get_tensor(n), convert_cfg):
+                    if specs[name].kind == "matrix" and x.ndim == 2:  # kept in its stored precision
+                        fmt = dtypes[hf_name]
+                        x = QTensor(data={"w": x.astype(_DENSE_DTYPES[fmt])}, fmt=fmt, shape=x.shape)
+                    tensors[name] = _on_device(_finite(path, hf_name, x))
+                    bar.update(nbytes[hf_name])
+            except WeightsError as e:
+                raise LoadError(f"{path}: {e}") from None
     return Target(cfg, params_from_tensors(cfg, tensors), path, None)
 
 
@@ -171,11 +219,9 @@ class Draft:
     path: str
 
 
-def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool = True,
-               kcfg: KernelConfig = REFERENCE) -> Draft:
-    """A z-lab DFlash drafter (a directory with config.json and model.safetensors, or the .safetensors file
-    beside its config.json), checked against the target it will draft for; `kcfg` as for load_target (the
-    target's: the drafter runs with the target's kernels)."""
+def draft_config(path: str | os.PathLike, target: TargetConfig) -> DraftConfig:
+    """The config.json of a DFlash drafter (its directory, or the .safetensors file beside it), checked against the
+    target it will draft for; no weight is read."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
@@ -184,7 +230,7 @@ def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool 
     if not os.path.exists(config_path):
         raise LoadError(f"{folder}: no config.json beside the drafter weights")
     d = read_json(config_path)
-    archs = d.get("architectures") or []
+    archs = _architectures(d, config_path)
     if archs and "DFlashDraftModel" not in archs:
         raise LoadError(f"{config_path}: {', '.join(archs)} is not a DFlash drafter (expected DFlashDraftModel)")
     try:
@@ -192,6 +238,16 @@ def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool 
         check_pair(cfg, target, where=f"drafter {path}")
     except ConfigError as e:
         raise LoadError(str(e)) from None
+    return cfg
+
+
+def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool = True,
+               kcfg: KernelConfig = REFERENCE) -> Draft:
+    """A z-lab DFlash drafter (a directory with config.json and model.safetensors, or the .safetensors file
+    beside its config.json), checked against the target it will draft for; `kcfg` as for load_target (the
+    target's: the drafter runs with the target's kernels)."""
+    path = os.fspath(path)
+    cfg = draft_config(path, target)
     shapes = draft_tensor_shapes(cfg)
     files = [path] if not os.path.isdir(path) else _safetensors_files(path)
     with _open_safetensors(files) as where:
@@ -217,6 +273,6 @@ def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool 
                     x = QTensor(data={"w": x}, fmt=slices[name].get_dtype(), shape=shape)
                 else:
                     x = x.astype(np.float32)
-                tensors[name] = _on_device(x)
+                tensors[name] = _on_device(_finite(path, name, x))
                 bar.update(nbytes[name])
     return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), kcfg), path)

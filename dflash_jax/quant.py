@@ -110,6 +110,23 @@ def repack(raw: np.ndarray, ggml_type: GT | int, shape: tuple[int, int]) -> QTen
     return QTensor(data=data, fmt=fmt.name, shape=(rows, cols))
 
 
+# Exponent bits of each float format: all set is an infinity or a NaN.
+_EXPONENT = {np.dtype(np.float32): (np.uint32, 0x7F800000), np.dtype(np.float16): (np.uint16, 0x7C00),
+             np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80)}
+
+
+def nonfinite_field(fields: dict[str, np.ndarray]) -> str | None:
+    """The first float array of `fields` (a QTensor's data: a quant's scales, a dense tensor's values) that holds a NaN
+    or an infinity, else None: one integer pass over the exponent bits, cheap beside a quant's packed values."""
+    for name, x in fields.items():
+        x = np.asarray(x)
+        if x.dtype in _EXPONENT:
+            bits, mask = _EXPONENT[x.dtype]
+            if np.any((x.view(bits) & mask) == mask):
+                return name
+    return None
+
+
 def to_gguf_bytes(qt: QTensor) -> np.ndarray:
     """The GGUF block bytes [out, bytes_per_row] of a QTensor (inverse of `repack`)."""
     fmt = FORMATS[qt.fmt]

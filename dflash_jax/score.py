@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import KV_DTYPES
-from dflash_jax.defaults import resolve_engine, resolve_kernels
+from dflash_jax import assets
+from dflash_jax.config import KV_DTYPES, TargetConfig
+from dflash_jax.defaults import free_memory, host_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
-from dflash_jax.errors import InputError, run_main
-from dflash_jax.load import Target, load_target
+from dflash_jax.errors import InputError, brief, run_main
+from dflash_jax.load import Target, load_target, open_target, target_tokenizer
 from dflash_jax.models.target import init_state
-from dflash_jax.tokenizer import load_tokenizer
+from dflash_jax.tokenizer import require_utf8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,22 +35,51 @@ class Score:
     tokens: int
 
 
-def read_ids(spec: str, flag: str = "--ids") -> np.ndarray:
-    """Token ids from a .npy file of integers or a non-empty comma-separated list (`flag` names it in errors)."""
-    if spec.endswith(".npy"):
-        if not os.path.exists(spec):
-            raise FileNotFoundError(f"{flag} {spec}: no such file")
-        try:
-            arr = np.load(spec)
-        except ValueError as e:  # not an .npy array (numpy refuses pickles and unknown headers this way)
-            raise InputError(f"{flag} {spec}: not a .npy array of token ids ({e})") from None
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise InputError(f"{flag} {spec}: expected integer token ids, found {arr.dtype}")
-        return arr.reshape(-1)
+MAX_IDS = 1 << 24  # token ids in one sequence: more than any model's context
+MAX_ID = 2**31 - 1  # ids are int32 on the device
+
+
+def _out_of_range(flag: str, position: int, value: int) -> InputError:
+    return InputError(f"{flag}: token id {value} at position {position} is out of range (0 to {MAX_ID})")
+
+
+def _load_npy_ids(spec: str, flag: str) -> np.ndarray:
+    """The ids of a .npy file, memory-mapped so that a header declaring a huge array allocates nothing."""
+    if not os.path.exists(spec):
+        raise FileNotFoundError(f"{flag} {spec}: no such file")
     try:
-        ids = np.array([int(t) for t in spec.split(",") if t.strip()], dtype=np.int64)
+        arr = np.load(spec, mmap_mode="r")
+    except (ValueError, EOFError) as e:  # not an .npy array (numpy refuses pickles, cut files and bad headers so)
+        raise InputError(f"{flag} {spec}: not a .npy array of token ids ({e})") from None
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(f"{flag} {spec}: expected integer token ids, found {arr.dtype}")
+    if arr.size > MAX_IDS:
+        raise InputError(f"{flag} {spec}: {arr.size} token ids, more than any context ({MAX_IDS})")
+    arr = np.array(arr).reshape(-1)
+    bad = np.flatnonzero((arr < 0) | (arr > MAX_ID))
+    if bad.size:
+        raise _out_of_range(flag, int(bad[0]), int(arr[bad[0]]))
+    return arr.astype(np.int64)
+
+
+def _parse_ids(spec: str, flag: str) -> np.ndarray:
+    """The ids of a comma-separated list (Python integers first: 2^64 must not overflow on the way)."""
+    try:
+        values = [int(t) for t in spec.split(",") if t.strip()]
     except ValueError:
-        raise InputError(f"{flag} {spec!r}: expected a .npy file or comma-separated integers") from None
+        raise InputError(f"{flag} {brief(spec)}: expected a .npy file or comma-separated integers") from None
+    if len(values) > MAX_IDS:
+        raise InputError(f"{flag}: {len(values)} token ids, more than any context ({MAX_IDS})")
+    bad = next((i for i, v in enumerate(values) if not 0 <= v <= MAX_ID), None)
+    if bad is not None:
+        raise _out_of_range(flag, bad, values[bad])
+    return np.array(values, dtype=np.int64)
+
+
+def read_ids(spec: str, flag: str = "--ids") -> np.ndarray:
+    """Token ids (int64) from a .npy file of integers or a non-empty comma-separated list, each in 0..2^31-1
+    (`flag` names it in errors; the model's vocabulary is checked later)."""
+    ids = _load_npy_ids(spec, flag) if spec.endswith(".npy") else _parse_ids(spec, flag)
     if not ids.size:
         raise InputError(f"{flag} is empty")
     return ids
@@ -72,43 +102,93 @@ def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_dtyp
     return Score(logits, mean, math.exp(-mean), len(ids))
 
 
-def main(argv: list[str]) -> int:
-    from absl import flags, logging
+def out_path(out: str | None) -> str | None:
+    """The file --out names (np.save adds `.npy` to a name without it), checked before any work: its folder exists
+    and it is not itself a folder."""
+    if out is None:
+        return None
+    path = out if out.endswith(".npy") else out + ".npy"
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise InputError(f"--out {out}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise InputError(f"--out {out}: {path} is a directory")
+    return path
 
+
+def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_dtype: str) -> None:
+    """Refuse, before loading the weights, a sequence or chunk longer than the model's context, and logits or caches
+    that would not fit the free memory."""
+    context = cfg.max_position_embeddings
+    if n > context:
+        raise InputError(f"{n} tokens exceed the model's context of {context} tokens")
+    if chunk > context:
+        raise InputError(f"--chunk {chunk} exceeds the model's context of {context} tokens")
+    logits, host = n * cfg.vocab_size * 4, host_memory()
+    if host is not None and logits > host:
+        raise InputError(f"the logits of {n} tokens need {logits / 2**30:.2f} GiB, but the host has "
+                         f"{host / 2**30:.2f} GiB free")
+    slots = -(-n // chunk) * chunk
+    shapes = jax.eval_shape(lambda: init_state(cfg, slots, jnp.dtype(kv_dtype)))
+    cache, free = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)), free_memory()
+    if free is not None and cache > free:
+        raise InputError(f"the caches of {slots} tokens need {cache / 2**30:.2f} GiB, but the device has "
+                         f"{free / 2**30:.2f} GiB free")
+
+
+def run(argv: list[str]) -> int:
+    """The command; returns its exit code."""
+    from absl import flags, logging
 
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS
     if len(argv) > 1:
         raise InputError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if (f.ids is None) == (f.text is None):
+    if f.ids is not None and f.text is not None:
+        raise InputError("pass either --ids or --text, not both")
+    if f.ids is None and f.text is None:
         raise InputError("pass the tokens to score with --ids IDS.npy (or a comma-separated list) or --text")
-    ids = read_ids(f.ids) if f.ids is not None else np.asarray(load_tokenizer(f.target).encode(f.text))
+    out = out_path(f.out)
+    ids = read_ids(f.ids) if f.ids is not None else None
+    text = require_utf8(f.text, "--text") if f.text is not None else None
     kv_dtype = resolve_engine(kv_dtype=f.kv_dtype).kv_dtype
     t0 = time.perf_counter()
+    target = open_target(f.target or assets.DEFAULT_TARGET)
+    if ids is None:
+        ids = np.asarray(target_tokenizer(target).encode(text))
+    check_tokens(target.config, ids)
+    check_fits(target.config, len(ids), f.chunk, kv_dtype)
     # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
-    model = load_target(f.target, kcfg=resolve_kernels("ddtree"))
+    model = load_target(target, kcfg=resolve_kernels("ddtree"))
     t1 = time.perf_counter()
     result = score(model, ids, chunk=f.chunk, kv_dtype=kv_dtype)
     t2 = time.perf_counter()
-    if f.out:
-        np.save(f.out, result.logits)
+    if out:
+        np.save(out, result.logits)
     print(f"{result.tokens} tokens, {result.tokens - 1} predicted: mean log-likelihood "
           f"{result.mean_log_likelihood:.4f}, perplexity {result.perplexity:.4f} "
           f"(load {t1 - t0:.1f} s, score {t2 - t1:.1f} s, {jax.default_backend()})")
-    if f.out:
-        print(f"logits [{result.logits.shape[0]}, {result.logits.shape[1]}] float32 written to {f.out}")
+    if out:
+        print(f"logits [{result.logits.shape[0]}, {result.logits.shape[1]}] float32 written to {out}")
     return 0
+
+
+def main(argv: list[str]) -> None:
+    run_main("score", run, argv)
 
 
 if __name__ == "__main__":
     from absl import app, flags
 
-    flags.DEFINE_string("target", None, "Target model: a qwen35 GGUF file or an HF safetensors directory.",
-                        required=True)
+    from dflash_jax.generate import parse_flags
+
+    flags.DEFINE_string("target", None, "Target model: a qwen35 GGUF file or an HF safetensors directory (default: "
+                        "the tiny model shipped in the package).")
     flags.DEFINE_string("ids", None, "Token ids: a .npy file or a comma-separated list.")
     flags.DEFINE_string("text", None, "Text to score, tokenized as is (special tokens parsed, no chat template).")
-    flags.DEFINE_string("out", None, "Write the logits [n, vocab] float32 to this .npy file.")
-    flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).")
+    flags.DEFINE_string("out", None, "Write the logits [n, vocab] float32 to this .npy file (.npy is added to a name "
+                        "without it).")
+    flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).", lower_bound=1)
     flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV cache dtype (default: bfloat16 on a GPU, float32 on a "
                       "CPU).")
-    app.run(lambda argv: run_main("score", main, argv))
+    app.run(main, flags_parser=lambda argv: parse_flags(argv, "score"))

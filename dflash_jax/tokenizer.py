@@ -14,7 +14,7 @@ import os
 from typing import Any, Callable, Sequence
 
 from dflash_jax.chat_template import render
-from dflash_jax.errors import InputError
+from dflash_jax.errors import InputError, brief
 from dflash_jax.gguf import open_metadata
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp): contractions, letters (with combining marks for qwen35)
@@ -118,24 +118,29 @@ class Tokenizer:
         if model is None:
             raise TokenizerError(f"{where}: no tokenizer in the GGUF metadata (tokenizer.ggml.model is missing)")
         if model != "gpt2":
-            raise TokenizerError(f"{where}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+            raise TokenizerError(f"{where}: tokenizer.ggml.model {brief(model)} is not supported (only byte-level "
+                                 f"BPE, 'gpt2')")
         pre = value("tokenizer.ggml.pre", "qwen2")
-        if pre not in PRE_TOKENIZERS:
-            raise TokenizerError(f"{where}: pre-tokenizer {pre!r} is not supported ({', '.join(PRE_TOKENIZERS)})")
-        tokens = value("tokenizer.ggml.tokens")
-        types = value("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = value("tokenizer.ggml.merges", [])
+        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
+            raise TokenizerError(f"{where}: tokenizer.ggml.pre {brief(pre)} is not supported "
+                                 f"({', '.join(PRE_TOKENIZERS)})")
+        tokens = _list_of(value, "tokenizer.ggml.tokens", str, where)
+        types = _list_of(value, "tokenizer.ggml.token_type", int, where, [1] * len(tokens))
+        merges = _list_of(value, "tokenizer.ggml.merges", str, where, [])
         if len(types) != len(tokens):
-            raise TokenizerError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
-        eos = value("tokenizer.ggml.eos_token_id", None)
-        bos = value("tokenizer.ggml.bos_token_id", None)
+            raise TokenizerError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} "
+                                 f"tokens")
+        eos = _token_id(value, "tokenizer.ggml.eos_token_id", len(tokens), where)
+        bos = _token_id(value, "tokenizer.ggml.bos_token_id", len(tokens), where)
+        template = value("tokenizer.chat_template", None)
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{where}: tokenizer.chat_template should be text, found {brief(template)}")
         special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)}
         backend = _bpe_backend(tokens, merges, PRE_TOKENIZERS[pre],
-                               [(t, types[i] == CONTROL) for t, i in special.items()])
+                               [(t, types[i] == CONTROL) for t, i in special.items()], where)
         token_bytes = [t.encode("utf-8") if t in special else _byte_level_bytes(t) for t in tokens]
-        return cls(backend, token_bytes, special, None if eos is None else int(eos),
-                   value("tokenizer.chat_template", None),
-                   None if bos is None or not 0 <= int(bos) < len(tokens) else tokens[int(bos)])
+        return cls(backend, token_bytes, special, eos, template,
+                   None if bos is None else tokens[bos])
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -157,6 +162,34 @@ class Tokenizer:
         return cls(backend, token_bytes, added, eos, getattr(hf, "chat_template", None), hf.bos_token)
 
 
+def _list_of(value: Callable[..., Any], key: str, kind: type, where: str, default: Any = ...) -> list:
+    """A metadata array whose entries are all of one kind (str or int; a bool is not an int here)."""
+    v = value(key) if default is ... else value(key, default)
+    if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
+        raise TokenizerError(f"{where}: {key} should be an array of {kind.__name__}, found {brief(v)}")
+    return v
+
+
+def _token_id(value: Callable[..., Any], key: str, vocab: int, where: str) -> int | None:
+    """An optional token id, inside the vocabulary."""
+    v = value(key, None)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab):
+        raise TokenizerError(f"{where}: {key} {brief(v)} is not a token id (the vocabulary has {vocab})")
+    return v
+
+
+def require_utf8(text: str, what: str) -> str:
+    """text, after checking that it is valid UTF-8 (Python keeps undecodable bytes of argv and files as lone
+    surrogates, which the tokenizer cannot encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+        raise TokenizerError(f"{what} is not valid UTF-8 ({byte} at character {e.start})") from None
+    return text
+
+
 def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:
     """The tokenizer of a model: a GGUF file's metadata, or an HF directory's tokenizer files."""
     if os.path.isdir(model_path):
@@ -164,12 +197,15 @@ def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:
     return Tokenizer.from_gguf(model_path)
 
 
-def _bpe_backend(tokens: list[str], merges: list[str], pattern: str, added: list[tuple[str, bool]]):
+def _bpe_backend(tokens: list[str], merges: list[str], pattern: str, added: list[tuple[str, bool]], where: str):
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2 or p[0] not in vocab or p[1] not in vocab), None)
+    if bad is not None:
+        raise TokenizerError(f"{where}: tokenizer.ggml.merges entry {brief(bad)} is not two tokens of the vocabulary")
     backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),

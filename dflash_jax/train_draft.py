@@ -28,13 +28,20 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def load_corpus(paths: Sequence[str], tokenizer, seq_len: int, held_out: float) -> tuple:
-    """Train and held-out sequences [n, seq_len] from text files: deduplicated, split by file, packed."""
+def read_corpus(paths: Sequence[str]) -> list[tuple[str, str]]:
+    """The deduplicated (name, text) documents of text files: read, and so checked, before any model loads."""
     from dflash_jax.training import data
 
     docs = data.dedupe(data.read_documents(data.list_files(paths)))
     if not docs:
         raise UsageError(f"no text found in {', '.join(paths)}")
+    return docs
+
+
+def load_corpus(docs: Sequence[tuple[str, str]], tokenizer, seq_len: int, held_out: float) -> tuple:
+    """Train and held-out sequences [n, seq_len] of documents: split by file, tokenized, packed."""
+    from dflash_jax.training import data
+
     separator = tokenizer.special.get("<|endoftext|>", tokenizer.eos_id)
     train_docs, test_docs = data.split(docs, held_out)
     train = data.pack([tokenizer.encode(text) for _, text in train_docs], seq_len, separator)
@@ -74,6 +81,7 @@ def run(argv: Sequence[str]) -> int:
     enable_jit_cache(f.jit_cache)
     if not os.path.exists(f.target):
         raise UsageError(f"{f.target}: no such file or directory")
+    docs = read_corpus(f.data.split(","))
     target = load_target(f.target)  # the reference kernels: exact features, and differentiable
     tok = load_tokenizer(f.target)
     mask_id = tok.special.get(f.mask_token) if f.mask_token_id < 0 else f.mask_token_id
@@ -87,7 +95,7 @@ def run(argv: Sequence[str]) -> int:
     tc = TrainConfig(steps=f.steps, batch=f.batch, seq_len=f.seq_len, lr=f.lr, warmup=f.warmup, seed=f.seed)
     bc = BlockConfig(anchors=f.anchors, gamma=f.gamma or GAMMA.get(f.block_size, round(7.0 * f.block_size / 16, 1)),
                      labels=f.labels, dtype=f.dtype)
-    train, test = load_corpus(f.data.split(","), tok, f.seq_len, f.held_out)
+    train, test = load_corpus(docs, tok, f.seq_len, f.held_out)
     trainer = draft_trainer(cfg, target.config, target.params, tc, bc)
     params, opt_state = trainer.init()
     meta = {"train": dataclasses.asdict(tc), "blocks": dataclasses.asdict(bc), "draft": draft_config_to_hf(cfg)}

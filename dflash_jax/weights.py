@@ -132,6 +132,12 @@ def _canonical_hf_name(name: str) -> str | None:
     return name
 
 
+def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the HF tensor that becomes GGUF tensor `name` of `shape`: the same (the conversions permute within
+    it), but for the conv kernel, stored [channels, 1, K]."""
+    return (shape[0], 1, shape[1]) if name.endswith("ssm_conv1d.weight") else shape
+
+
 def iter_hf_to_gguf(names: Iterable[str], get: Callable[[str], np.ndarray],
                     cfg: TargetConfig) -> Iterator[tuple[str, str, np.ndarray]]:
     """(GGUF name, HF name, float32 tensor) converted one at a time from HF tensors `get(name)` (checked up front).
@@ -158,11 +164,12 @@ def iter_hf_to_gguf(names: Iterable[str], get: Callable[[str], np.ndarray],
     for name, rule in rules.items():
         if rule.hf not in src:
             continue
-        x = rule.to_gguf(np.asarray(get(src[rule.hf]), dtype=np.float32))
-        if x.shape != specs[name].shape:
-            raise WeightsError(f"HF tensor {rule.hf!r} converts to shape {list(x.shape)}, expected "
-                               f"{list(specs[name].shape)} for {name!r}")
-        yield name, src[rule.hf], x
+        x = np.asarray(get(src[rule.hf]), dtype=np.float32)
+        want = hf_shape(name, specs[name].shape)
+        if x.shape != want:  # checked before converting: a conversion of another shape would fail inside numpy
+            raise WeightsError(f"HF tensor {rule.hf!r} has shape {list(x.shape)}, expected {list(want)} for "
+                               f"{name!r}")
+        yield name, src[rule.hf], rule.to_gguf(x)
 
 
 def hf_to_gguf(hf: Mapping[str, np.ndarray], cfg: TargetConfig) -> dict[str, np.ndarray]:

@@ -21,7 +21,6 @@ from dflash_jax.models.target import init_state
 from dflash_jax.quant import QTensor
 from dflash_jax.testing.gguf_writer import write_hf_as_gguf
 from dflash_jax.testing.tiny import random_hf_state_dict, tiny_target_config, write_hf_dir
-from dflash_jax.weights import WeightsError
 
 from conftest import ROOT, TINY
 
@@ -121,7 +120,8 @@ def test_bad_directories_give_clear_errors(weights, tmp_path, edit, error, messa
 def test_missing_tensor_and_unsupported_dtype(weights, tmp_path):
     dropped = {k: v for k, v in weights.items() if k != "model.layers.0.linear_attn.in_proj_z.weight"}
     write_hf_dir(tmp_path / "missing", CFG, dropped)
-    with pytest.raises(WeightsError, match="missing HF tensor 'model.layers.0.linear_attn.in_proj_z.weight'"):
+    with pytest.raises(LoadError, match=f"^{tmp_path / 'missing'}: missing HF tensor "
+                                        f"'model.layers.0.linear_attn.in_proj_z.weight'"):
         load_target(tmp_path / "missing", progress=False)
     write_hf_dir(tmp_path / "int8", CFG, weights)
     save_file({**weights, "model.norm.weight": np.zeros(CFG.hidden_size, np.int8)},

@@ -63,8 +63,8 @@ def test_hf_directory_uses_transformers_and_agrees(tok, tmp_path):
 
 
 @pytest.mark.parametrize("keys, message", [
-    ([("tokenizer.ggml.model", "llama", VT.STRING, None)], "tokenizer model 'llama' is not supported"),
-    ([("tokenizer.ggml.pre", "falcon", VT.STRING, None)], "pre-tokenizer 'falcon' is not supported"),
+    ([("tokenizer.ggml.model", "llama", VT.STRING, None)], "tokenizer.ggml.model 'llama' is not supported"),
+    ([("tokenizer.ggml.pre", "falcon", VT.STRING, None)], "tokenizer.ggml.pre 'falcon' is not supported"),
 ])
 def test_unsupported_tokenizers_are_refused(tiny_gguf_path, tmp_path, keys, message):
     path = tmp_path / "edited.gguf"

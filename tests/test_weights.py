@@ -65,8 +65,11 @@ def test_vlm_names_are_accepted_and_errors_name_the_tensor():
     with pytest.raises(WeightsError, match="unexpected HF tensor 'model.layers.9.mlp.up_proj.weight'"):
         hf_to_gguf({**hf, "model.layers.9.mlp.up_proj.weight": np.zeros(1)}, cfg)
     bad = dict(hf, **{"model.norm.weight": np.zeros(3, np.float32)})
-    with pytest.raises(WeightsError, match=r"'model.norm.weight' converts to shape \[3\], expected \[256\]"):
+    with pytest.raises(WeightsError, match=r"'model.norm.weight' has shape \[3\], expected \[256\]"):
         hf_to_gguf(bad, cfg)
+    conv = "model.layers.0.linear_attn.conv1d.weight"  # a shape numpy's conversion could not take
+    with pytest.raises(WeightsError, match=rf"'{conv}' has shape \[{hf[conv].shape[0]}, 4\], expected"):
+        hf_to_gguf({**hf, conv: hf[conv][:, 0, :]}, cfg)
 
 
 def test_mtp_block_converts_both_ways():

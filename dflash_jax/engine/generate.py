@@ -97,6 +97,15 @@ class Engine:
         return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.kcfg), draft.params,
                    kcfg=target.kcfg)
 
+    def state_bytes(self) -> int:
+        """Bytes of the caches a generation allocates (the target's, with tree slack, and the drafter's), from their
+        shapes alone: nothing is allocated."""
+        kv_dtype = jnp.dtype(self.ecfg.kv_dtype)
+        shapes = jax.eval_shape(lambda: (
+            init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_dtype),
+            self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
     def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
               after: DecodeState | None = None, keep_pending: bool = True,
               sampling: SamplingParams = GREEDY) -> tuple[DecodeState, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -10,6 +11,8 @@ import numpy as np
 
 from dflash_jax.config import (FULL_ATTENTION, LINEAR_ATTENTION, DraftConfig, TargetConfig, default_target_layer_ids,
                                load_target_config, target_config_to_hf)
+from dflash_jax.defaults import host_memory
+from dflash_jax.errors import InputError, run_main
 from dflash_jax.gguf import tensor_specs
 from dflash_jax.models.draft import tensor_shapes
 from dflash_jax.testing.gguf_writer import write_gguf
@@ -131,26 +134,56 @@ def random_gguf_tensors(cfg: TargetConfig, seed: int = 0) -> dict[str, np.ndarra
     return out
 
 
-def main(argv: list[str]) -> None:
+def check_out(path: str) -> None:
+    """--out must name a file in an existing folder."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise InputError(f"--out {path}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise InputError(f"--out {path}: is a directory")
+
+
+def check_size(cfg: TargetConfig, where: str) -> None:
+    """Refuse a config whose random float32 weights would not fit the host's free memory."""
+    need = 8 * sum(math.prod(spec.shape) for spec in tensor_specs(cfg).values())  # float32 draws, then their quants
+    free = host_memory()
+    if free is not None and need > free:
+        raise InputError(f"{where}: random weights for this config need {need / 2**30:.1f} GiB, but the host has "
+                         f"{free / 2**30:.1f} GiB free")
+
+
+def run(argv: list[str]) -> int:
     """`python -m dflash_jax.testing.tiny --out FILE.gguf`: write a random tiny qwen35 GGUF (Q4_K_M types)."""
     import logging
 
     from absl import flags
 
+    f = flags.FLAGS
+    if len(argv) > 1:
+        raise InputError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.getLogger("gguf").setLevel(logging.WARNING)  # gguf-py's per-file INFO lines
-    cfg = load_target_config(flags.FLAGS.config)
-    chosen = write_gguf(flags.FLAGS.out, random_gguf_tensors(cfg, flags.FLAGS.seed), cfg,
-                        name=f"random {os.path.basename(flags.FLAGS.config)} seed {flags.FLAGS.seed}")
-    print(f"wrote {flags.FLAGS.out}: {len(chosen)} tensors, random weights, config {flags.FLAGS.config}")
+    check_out(f.out)
+    cfg = load_target_config(f.config)
+    check_size(cfg, f.config)
+    chosen = write_gguf(f.out, random_gguf_tensors(cfg, f.seed), cfg,
+                        name=f"random {os.path.basename(f.config)} seed {f.seed}")
+    print(f"wrote {f.out}: {len(chosen)} tensors, random weights, config {f.config}")
+    return 0
+
+
+def main(argv: list[str]) -> None:
+    run_main("tiny", run, argv)
 
 
 if __name__ == "__main__":
     from absl import app, flags
 
+    from dflash_jax.generate import parse_flags
+
     flags.DEFINE_string("out", None, "Path of the GGUF file to write.", required=True)
     flags.DEFINE_string("config", os.path.join(CONFIG_DIR, "tiny-qwen35.json"), "HF-style target config.json.")
     flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
-    app.run(main)
+    app.run(main, flags_parser=lambda argv: parse_flags(argv, "tiny"))
 
 
 def tiny_draft_config(target: TargetConfig, layer_types: tuple[str, ...] = ("full_attention", "full_attention"),

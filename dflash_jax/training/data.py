@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from dflash_jax.errors import InputError
+from dflash_jax.errors import InputError, brief
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".jsonl", ".toml", ".cfg")
 
@@ -33,17 +33,36 @@ def list_files(paths: Sequence[str], suffixes: Sequence[str] = TEXT_SUFFIXES) ->
     return sorted(set(found))
 
 
+def _jsonl_text(line: str, where: str) -> str:
+    """The string 'text' field of one JSONL line, or a DataError naming the file and line."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise DataError(f"{where}: not a JSON line ({type(e).__name__}: {str(e)[:80]})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise DataError(f"{where}: a JSONL line must be an object with a string 'text' field, found "
+                        f"{brief(record)}")
+    return record["text"]
+
+
+def _jsonl_documents(path: str) -> Iterator[tuple[str, str]]:
+    """(path:line, text) of each non-blank line of a UTF-8 .jsonl file."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            where = f"{path}:{i + 1}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if line.strip():
+                yield where, _jsonl_text(line, where)
+
+
 def read_documents(files: Sequence[str]) -> Iterator[tuple[str, str]]:
     """(name, text) per document: a .jsonl line's "text" field, or a whole UTF-8 file; other files are skipped."""
     for path in files:
         if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for i, line in enumerate(f):
-                    if line.strip():
-                        text = json.loads(line).get("text")
-                        if not isinstance(text, str):
-                            raise DataError(f"{path}:{i + 1}: a JSONL line needs a string 'text' field")
-                        yield f"{path}:{i + 1}", text
+            yield from _jsonl_documents(path)
             continue
         try:
             with open(path, encoding="utf-8") as f:
