@@ -1,11 +1,13 @@
 """`python -m dflash_jax.chat`: a multi-turn chat REPL with streamed replies.
 
-    python -m dflash_jax.chat [--target MODEL --draft DRAFT] [--system TEXT] [--stats]
+    python -m dflash_jax.chat [--target MODEL --draft DRAFT] [--system TEXT] [--temperature 0.7 --seed 1] [--stats]
 
 The conversation's state stays on the device between turns: when the next turn's rendered prompt extends the text
 the state already holds (the usual case with ChatML-style templates), only the new tokens are prefilled. Otherwise
 (a template that rewrites earlier turns) the whole conversation is prefilled again. Ctrl+C interrupts a reply (the
-partial reply is kept, the next turn re-prefills); `/reset` starts over; Ctrl+D (or `/exit`) quits.
+partial reply is kept, the next turn re-prefills); `/reset` starts over; Ctrl+D (or `/exit`) quits. With
+`--temperature` the replies are sampled (one seed for the session, drawn and printed when `--seed` is not given;
+each token's noise comes from its position in the conversation, so every mode replies the same).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import sys
 from typing import Callable, Sequence
 
+from dflash_jax.engine.sampling import GREEDY, SamplingParams
 from dflash_jax.errors import InputError, run_main
-from dflash_jax.generate import define_model_flags, engine_from_flags, parse_flags
+from dflash_jax.generate import define_model_flags, engine_from_flags, parse_flags, sampling_from_flags
 from dflash_jax.tokenizer import Tokenizer, require_utf8
 
 PROMPT = ">>> "
@@ -24,8 +27,9 @@ class Conversation:
     """The messages so far, and the device state after the last reply with the text of the reply's tokens."""
 
     def __init__(self, engine, tokenizer: Tokenizer, *, system: str | None = None, thinking: bool = False,
-                 n_gen: int = 512):
+                 n_gen: int = 512, sampling: SamplingParams = GREEDY):
         self.engine, self.tokenizer, self.n_gen, self.thinking = engine, tokenizer, n_gen, thinking
+        self.sampling = sampling
         self.system = system
         self.reset()
 
@@ -71,7 +75,7 @@ class Conversation:
 
         try:
             gen = self.engine.generate(ids, self.n_gen, tok.stop_ids, on_tokens=stream, after=after,
-                                       keep_pending=keep)
+                                       keep_pending=keep, sampling=self.sampling)
         except InputError:  # refused before any compute (e.g. the context is full): nothing changed
             self.messages.pop()
             self.state = previous
@@ -98,10 +102,12 @@ def run(argv: Sequence[str]) -> int:
     f = flags.FLAGS
     if f.system is not None:
         require_utf8(f.system, "--system")
+    sampling = sampling_from_flags(f)
     engine, models, target_path = engine_from_flags(argv)
-    chat = Conversation(engine, models.tokenizer, system=f.system, thinking=f.thinking, n_gen=f.n_gen)
-    print(f"dflash-jax chat: {target_path} ({f.mode}); Ctrl+C stops a reply, /reset starts over, Ctrl+D quits.",
-          file=sys.stderr)
+    chat = Conversation(engine, models.tokenizer, system=f.system, thinking=f.thinking, n_gen=f.n_gen,
+                        sampling=sampling)
+    print(f"dflash-jax chat: {target_path} ({f.mode}, {sampling.describe()}); Ctrl+C stops a reply, /reset starts "
+          "over, Ctrl+D quits.", file=sys.stderr)
     sys.stdin.reconfigure(errors="surrogateescape")  # a line that is not UTF-8 is refused below, not a traceback
     while True:
         try:

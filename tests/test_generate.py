@@ -36,6 +36,25 @@ def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
     assert runs["ddtree"]["prompt_ids"] == np.load(TINY / "tokens.npy").tolist()
 
 
+def test_the_quick_start_sampled_prints_the_same_text_in_every_mode(jit_cache):
+    """The README's first command with --temperature 0.7 --seed 1: one text in every mode; --json reports the seed,
+    which a run without --seed draws and reports."""
+    texts = {}
+    for mode in ("ar", "chain", "ddtree"):
+        proc = generate("--prompt", "def fibonacci(n):", "--n_gen", "32", "--temperature", "0.7", "--seed", "1",
+                        "--mode", mode, jit_cache=jit_cache)
+        assert proc.returncode == 0, proc.stderr
+        texts[mode] = proc.stdout
+    assert texts["ar"].strip() and texts["chain"] == texts["ar"] == texts["ddtree"], texts
+    proc = generate("--prompt", "def fibonacci(n):", "--n_gen", "32", "--temperature", "0.7", "--json",
+                    jit_cache=jit_cache)
+    drawn = json.loads(proc.stdout)["sampling"]
+    assert drawn["temperature"] == 0.7 and 0 <= drawn["seed"] < 2 ** 32
+    again = generate("--prompt", "def fibonacci(n):", "--n_gen", "32", "--temperature", "0.7", "--json", "--seed",
+                     str(drawn["seed"]), jit_cache=jit_cache)
+    assert json.loads(again.stdout)["tokens"] == json.loads(proc.stdout)["tokens"]
+
+
 def test_default_pair_streams_text_and_stats(jit_cache):
     """The README's first command: no --target, the pair shipped in the package; the text streams to stdout."""
     assert os.path.exists(assets.DEFAULT_TARGET) and os.path.isdir(assets.DEFAULT_DRAFT)
