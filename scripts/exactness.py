@@ -8,8 +8,9 @@ With no --target/--draft it checks the pair shipped in the package. Per configur
 identical to AR; for each that is not, the first position where they differ and the margin there: the gap between
 the two best logits (greedy) or the two best perturbed scores (sampling: logits / T, filtered, plus the position's
 Gumbel noise) of a teacher-forced forward of the prompt and AR's common prefix, and that gap over the largest
-|logit| ("rel"). A divergence at a margin of a few float32 roundings of the logits is a near-tie, which summation
-order alone can flip; a large margin is a bug.
+|logit| ("rel"); with top_p, also the nucleus's slack (`nucleus_slack`). A divergence at a margin of a few float32
+roundings of the logits, or at a nucleus edge that tiny, is a near-tie, which summation order alone can flip; a large
+margin with a large slack is a bug.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchlib import add_engine_flags, engine_settings, environment, first_difference  # noqa: E402
@@ -28,7 +31,6 @@ from benchlib import add_engine_flags, engine_settings, environment, first_diffe
 def margin(target, prompt: list[int], common: list[int], sp, kv_dtype: str) -> dict:
     """The decision margin at the token after prompt + common: top-2 gap of the logits or the perturbed scores."""
     import jax.numpy as jnp
-    import numpy as np
 
     from dflash_jax.engine.sampling import gumbel_noise, perturbed_scores
     from dflash_jax.score import score
@@ -42,7 +44,20 @@ def margin(target, prompt: list[int], common: list[int], sp, kv_dtype: str) -> d
     top2 = np.sort(np.asarray(scores[0], np.float64))[-2:]
     gap = float(top2[1] - top2[0])
     scale = float(np.max(np.abs(np.asarray(logits))))
-    return {"margin": gap, "rel": gap / scale if scale else float("nan")}
+    out = {"margin": gap, "rel": gap / scale if scale else float("nan")}
+    if not sp.greedy and sp.top_p < 1:
+        out["nucleus_slack"] = nucleus_slack(np.asarray(logits[0], np.float64) / sp.temperature, sp.top_p)
+    return out
+
+
+def nucleus_slack(z: np.ndarray, top_p: float) -> float:
+    """How near the nucleus's edge was to moving: the least distance between top_p and the cumulative probability
+    (descending order) at the token that reaches it or the one before. Where it is tiny, rounding can move a token
+    across the edge, which changes the draw even when the perturbed scores are far apart."""
+    p = np.exp(np.sort(z)[::-1] - z.max())
+    cum = np.cumsum(p / p.sum())
+    at = int(np.argmax(cum >= top_p))
+    return float(min(abs(cum[i] - top_p) for i in (at - 1, at) if i >= 0))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,7 +121,9 @@ def main(argv: list[str] | None = None) -> None:
                          "prompts": len(prompts), "diverged": diverged})
             lines.append(f"{name:>10} {label:>10}: {len(prompts) - len(diverged)}/{len(prompts)} identical to AR"
                          + "".join(f"\n{'':>12}prompt {d['prompt']}: differs at token {d['position']}, margin "
-                                   f"{d['margin']:.3g} (rel {d['rel']:.2g})" for d in diverged))
+                                   f"{d['margin']:.3g} (rel {d['rel']:.2g})"
+                                   + (f", nucleus slack {d['nucleus_slack']:.2g}" if "nucleus_slack" in d else "")
+                                   for d in diverged))
             print(lines[-1], file=sys.stderr, flush=True)
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
