@@ -1,5 +1,6 @@
 """Acceptance length and decode speed of a target + drafter pair with real speculative decoding: AR, chain, and DDTree
-at several budgets, over prompt sets, greedy, each run checked against AR's tokens.
+at several budgets, over prompt sets, greedy or sampled (`--temperature`, `--top_p`, `--seed`; `--draft_rule` picks
+what a sampled tree is built from), each run checked against AR's tokens.
 
     python scripts/acceptance.py --target T.gguf --draft DIR --sets humaneval,prompts.jsonl --out results.json
 
@@ -31,13 +32,17 @@ def configs(budgets: list[int]) -> list[tuple[str, int]]:
     return [("ar", 0), ("chain", 0)] + [("ddtree", b) for b in budgets]
 
 
-def measure(engine, prompts: list[list[int]], n_gen: int, stop_ids: list[int], reference: list[list[int]] | None):
+def measure(engine, prompts: list[list[int]], n_gen: int, stop_ids: list[int], reference: list[list[int]] | None,
+            sampling=None):
     """One configuration over a prompt set: totals, the acceptance histogram, agreement with the reference."""
-    engine.generate(prompts[0], n_gen, stop_ids)  # compiles
+    from dflash_jax.engine.sampling import GREEDY
+
+    sampling = sampling or GREEDY
+    engine.generate(prompts[0], n_gen, stop_ids, sampling=sampling)  # compiles
     steps = tokens = same = 0
     seconds, hist, outputs = 0.0, [0] * (engine.width + 1), []
     for i, ids in enumerate(prompts):
-        g = engine.generate(ids, n_gen, stop_ids)
+        g = engine.generate(ids, n_gen, stop_ids, sampling=sampling)
         outputs.append(g.tokens)
         steps += g.steps
         tokens += sum(g.accept_lengths)
@@ -59,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budgets", default="4,8,16,22,32")
     ap.add_argument("--out", type=Path, required=True, help="results JSON (a .txt table is written beside it)")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; no new configuration starts after it")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (and --top_p, --seed)")
+    ap.add_argument("--top_p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
     add_engine_flags(ap)  # --budget sets the chain's engine; the trees take --budgets
     args = ap.parse_args(argv)
 
@@ -66,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from dflash_jax import assets, prompt_sets
     from dflash_jax.engine.generate import Engine
+    from dflash_jax.engine.sampling import SamplingParams
     from dflash_jax.load import load_draft, load_target
     from dflash_jax.tokenizer import load_tokenizer
 
@@ -81,7 +90,9 @@ def main(argv: list[str] | None = None) -> None:
               "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
               "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": base.topk,
               "chain_seed": {None: "auto", True: "on", False: "off"}[base.chain_seed], "kv_dtype": base.kv_dtype,
-              "kernels": dataclasses.asdict(kcfg), "impl": kcfg.impl, "sets": {}}
+              "kernels": dataclasses.asdict(kcfg), "impl": kcfg.impl, "draft_rule": base.draft_rule, "sets": {}}
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    report["sampling"] = dataclasses.asdict(sampling)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.sets.split(","):
         prompts = [tok.encode(text) for _, text in prompt_sets.load(spec, args.limit)]
@@ -96,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
             ecfg = dataclasses.replace(base, mode=mode, budget=budget or base.budget, max_ctx=max_ctx)
             outputs, r = measure(Engine.from_loaded(target, draft if mode != "ar" else None, ecfg), prompts,
-                                 args.n_gen, tok.stop_ids, reference)
+                                 args.n_gen, tok.stop_ids, reference, sampling)
             if mode == "ar":
                 reference = outputs
             rows["results"].append({"mode": mode, "budget": budget or None, **r})
@@ -109,9 +120,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def table(report: dict) -> str:
     """The results as a text table: AL and tok/s per set and configuration, with the speedup over AR."""
+    sampled = report.get("sampling", {}).get("temperature", 0)
+    how = (f"temperature {sampled:g}, top-p {report['sampling']['top_p']:g}, seed {report['sampling']['seed']}, "
+           f"draft rule {report['draft_rule']}" if sampled else "greedy")
     lines = [f"# {report['device']} ({report['backend']}, impl {report['impl']}), jax {report['jax']}, "
              f"{report['date']}; n_gen {report['n_gen']}, top-K {report['topk']}, chain seed "
-             f"{report.get('chain_seed', 'on')}",
+             f"{report.get('chain_seed', 'on')}; {how}",
              f"{'set':>12} {'mode':>6} {'budget':>6} {'AL':>6} {'tok/s':>9} {'vs AR':>6} {'same as AR':>11}"]
     for name, s in report["sets"].items():
         ar = next((r["tok_s"] for r in s["results"] if r["mode"] == "ar"), None)
