@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchlib import add_engine_flags, engine_settings  # noqa: E402
+from benchlib import add_engine_flags, add_pair_flags, engine_settings, load_pair, sampling_settings  # noqa: E402
 
 
 def configs(budgets: list[int]) -> list[tuple[str, int]]:
@@ -56,42 +56,28 @@ def measure(engine, prompts: list[list[int]], n_gen: int, stop_ids: list[int], r
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=None, help="default: the shipped pair")
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--sets", default="humaneval", help="comma-separated: humaneval, or JSONL paths")
-    ap.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0: all)")
-    ap.add_argument("--n_gen", type=int, default=128)
-    ap.add_argument("--budgets", default="4,8,16,22,32")
+    add_pair_flags(ap, budgets="4,8,16,22,32")
     ap.add_argument("--out", type=Path, required=True, help="results JSON (a .txt table is written beside it)")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; no new configuration starts after it")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (and --top_p, --seed)")
-    ap.add_argument("--top_p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
     add_engine_flags(ap)  # --budget sets the chain's engine; the trees take --budgets
     args = ap.parse_args(argv)
 
     import jax
 
-    from dflash_jax import assets, prompt_sets
+    from dflash_jax import prompt_sets
     from dflash_jax.engine.generate import Engine
-    from dflash_jax.engine.sampling import SamplingParams
-    from dflash_jax.load import load_draft, load_target
-    from dflash_jax.tokenizer import load_tokenizer
 
     t_start = time.monotonic()
-    target_path, draft_path = args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
     base, kcfg = engine_settings(args)  # as generate resolves its flags
-    target = load_target(target_path, progress=False, kcfg=kcfg)
-    draft = load_draft(draft_path, target.config, progress=False, kcfg=kcfg)
-    tok = load_tokenizer(target_path)
+    target, draft, tok = load_pair(args, kcfg)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     dev = jax.devices()[0]
-    report = {"target": str(target_path), "draft": str(draft_path), "device": getattr(dev, "device_kind", str(dev)),
+    report = {"target": str(target.path), "draft": str(draft.path), "device": getattr(dev, "device_kind", str(dev)),
               "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
               "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": base.topk,
               "chain_seed": {None: "auto", True: "on", False: "off"}[base.chain_seed], "kv_dtype": base.kv_dtype,
               "kernels": dataclasses.asdict(kcfg), "impl": kcfg.impl, "draft_rule": base.draft_rule, "sets": {}}
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    sampling = sampling_settings(args)
     report["sampling"] = dataclasses.asdict(sampling)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.sets.split(","):

@@ -45,6 +45,42 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
                     help="what a sampled step builds its tree from (generate's --draft_rule)")
 
 
+def add_pair_flags(ap: argparse.ArgumentParser, budgets: str) -> None:
+    """The pair and prompt-set flags of the scripts that decode prompt sets (acceptance.py, exactness.py), with their
+    sampling flags (`sampling_settings` reads them)."""
+    ap.add_argument("--target", default=None, help="default: the shipped pair")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--sets", default="humaneval", help="comma-separated: humaneval, or JSONL paths")
+    ap.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0: all)")
+    ap.add_argument("--n_gen", type=int, default=128)
+    ap.add_argument("--budgets", default=budgets, help="DDTree budgets (ar and chain always run)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top_p", type=float, default=1.0)
+    ap.add_argument("--top_k", type=int, default=0)
+    ap.add_argument("--min_p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def sampling_settings(args: argparse.Namespace):
+    """The SamplingParams of `add_pair_flags`' sampling flags."""
+    from dflash_jax.engine.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed)
+
+
+def load_pair(args: argparse.Namespace, kcfg: KernelConfig):
+    """(target, draft, tokenizer) of `add_pair_flags`' --target/--draft (default: the shipped pair), laid out for
+    kcfg."""
+    from dflash_jax import assets
+    from dflash_jax.load import load_draft, load_target
+    from dflash_jax.tokenizer import load_tokenizer
+
+    target_path, draft_path = args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
+    target = load_target(target_path, progress=False, kcfg=kcfg)
+    return target, load_draft(draft_path, target.config, progress=False, kcfg=kcfg), load_tokenizer(target_path)
+
+
 def engine_settings(args: argparse.Namespace) -> tuple[EngineConfig, KernelConfig]:
     """The engine and kernel configuration of `add_engine_flags`' flags, by the function `generate`, `chat` and
     `serve` resolve theirs with."""

@@ -25,7 +25,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchlib import add_engine_flags, engine_settings, environment, first_difference  # noqa: E402
+from benchlib import (add_engine_flags, add_pair_flags, engine_settings, environment, first_difference,  # noqa: E402
+                      load_pair, sampling_settings)
 
 
 def margin(target, prompt: list[int], common: list[int], sp, kv_dtype: str) -> dict:
@@ -62,36 +63,19 @@ def nucleus_slack(z: np.ndarray, top_p: float) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=None, help="default: the shipped pair")
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--sets", default="humaneval", help="comma-separated: humaneval, or JSONL paths")
-    ap.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0: all)")
-    ap.add_argument("--n_gen", type=int, default=128)
-    ap.add_argument("--budgets", default="8,22", help="DDTree budgets (ar and chain always run)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    ap.add_argument("--top_p", type=float, default=1.0)
-    ap.add_argument("--top_k", type=int, default=0)
-    ap.add_argument("--min_p", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_pair_flags(ap, budgets="8,22")
     ap.add_argument("--out", type=Path, default=None, help="results JSON")
     add_engine_flags(ap)
     args = ap.parse_args(argv)
 
-    from dflash_jax import assets, prompt_sets
+    from dflash_jax import prompt_sets
     from dflash_jax.engine.generate import Engine
-    from dflash_jax.engine.sampling import SamplingParams
-    from dflash_jax.load import load_draft, load_target
-    from dflash_jax.tokenizer import load_tokenizer
 
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                        seed=args.seed)
-    target_path, draft_path = args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
+    sp = sampling_settings(args)
     base, kcfg = engine_settings(args)  # as generate resolves its flags
-    target = load_target(target_path, progress=False, kcfg=kcfg)
-    draft = load_draft(draft_path, target.config, progress=False, kcfg=kcfg)
-    tok = load_tokenizer(target_path)
+    target, draft, tok = load_pair(args, kcfg)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    report = {**environment(), "target": str(target_path), "draft": str(draft_path), "n_gen": args.n_gen,
+    report = {**environment(), "target": str(target.path), "draft": str(draft.path), "n_gen": args.n_gen,
               "sampling": dataclasses.asdict(sp), "kernels": dataclasses.asdict(kcfg), "kv_dtype": base.kv_dtype,
               "command": " ".join(["scripts/exactness.py", *(argv if argv is not None else sys.argv[1:])]),
               "sets": {}}

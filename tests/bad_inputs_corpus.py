@@ -407,14 +407,18 @@ def _tokenizer_cases() -> list[Case]:
 DELETE = object()
 
 
-def hf_config(**changes) -> dict:
-    d = target_config_to_hf(TARGET)
+def changed(d: dict, changes: dict) -> dict:
+    """d with each key of `changes` set to its value, or removed where the value is DELETE."""
     for key, value in changes.items():
         if value is DELETE:
             d.pop(key)
         else:
             d[key] = value
     return d
+
+
+def hf_config(**changes) -> dict:
+    return changed(target_config_to_hf(TARGET), changes)
 
 
 def _config_case(prefix: str, name: str, content: bytes, fields: tuple[str, ...], drafter: bool) -> Case:
@@ -480,13 +484,7 @@ DRAFT_BASE = json.loads((TINY / "draft-full" / "config.json").read_text())
 
 
 def drafter_config(**changes) -> dict:
-    d = json.loads(json.dumps(DRAFT_BASE))
-    for key, value in changes.items():
-        if value is DELETE:
-            d.pop(key)
-        else:
-            d[key] = value
-    return d
+    return changed(json.loads(json.dumps(DRAFT_BASE)), changes)
 
 
 DFLASH = DRAFT_BASE["dflash_config"]

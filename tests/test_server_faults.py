@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from conftest import FIXTURES, ROOT
-from test_server import USER, Server
+from test_server import USER, Server, claude, oai  # noqa: F401 (fixtures, on this module's server)
 
 MAX_QUEUE = 128  # room for every client of the crowd
 QWEN35 = (FIXTURES / "templates" / "qwen3.5.jinja").read_text()  # renders no empty think block into history
@@ -38,14 +38,6 @@ def server(tiny_gguf_path):
     srv.close()
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
 
 
 def handlers(server) -> int:
