@@ -5,8 +5,9 @@
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/messages and
 POST /v1/messages/count_tokens, streaming as server-sent events. Requests are served one at a time (batch 1) from a
 bounded queue; a request that extends the previous one's conversation continues from its state on the device.
-Decoding is greedy: requests that ask for sampling get a 400 unless --allow_greedy_fallback. Needs the `server`
-extra (`pip install "dflash-jax[server]"`).
+Requests may sample (temperature, top_p, top_k, min_p, seed; n choices); --temperature, --top_p, --top_k, --min_p
+and --seed are the defaults of requests that leave them out. Needs the `server` extra
+(`pip install "dflash-jax[server]"`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import sys
 from typing import Sequence
 
+from dflash_jax.engine.sampling import SamplingParams
 from dflash_jax.errors import run_main
 from dflash_jax.generate import UsageError, define_model_flags, engine_from_flags, parse_flags
 
@@ -47,6 +49,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def default_sampling(f) -> SamplingParams:
+    """What requests that leave out temperature, top_p, top_k or min_p get: the sampling flags, checked (--seed too,
+    which `Settings.seed` carries: a sampled request without a seed gets it, else one drawn for it)."""
+    return SamplingParams(temperature=f.temperature, top_p=f.top_p, top_k=f.top_k, min_p=f.min_p,
+                          seed=0 if f.seed is None else f.seed)
+
+
 def run(argv: Sequence[str]) -> int:
     """Bind the address, load the pair, compile, serve until interrupted; returns the exit code."""
     from absl import flags
@@ -62,13 +71,14 @@ def run(argv: Sequence[str]) -> int:
     from dflash_jax.server.worker import Worker
 
     f = flags.FLAGS
+    sampling = default_sampling(f)  # a bad value ends here, before the address is bound
     with listen(f.host, f.port) as sock:  # a port in use or a bad host ends here, not after loading and compiling
         engine, models, target_path = engine_from_flags(argv)
         if f.warmup:
             _log("compiling (one short generation)...")
             engine.generate([0], 2)
         settings = Settings(models.tokenizer, f.model_name or model_name(target_path), f.max_ctx,
-                            models.target.config.vocab_size, f.n_gen, f.thinking, f.allow_greedy_fallback)
+                            models.target.config.vocab_size, f.n_gen, f.thinking, sampling, f.seed)
         worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None)
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         host = f"[{f.host}]" if ":" in f.host else f.host  # an IPv6 address
@@ -99,8 +109,6 @@ def define_flags() -> None:
     flags.DEFINE_string("model_name", None, "Model id that /v1/models lists and responses carry (default: the "
                         "target's file name).")
     flags.DEFINE_integer("max_queue", 16, "Requests that may wait while one runs; more get HTTP 429.", lower_bound=1)
-    flags.DEFINE_boolean("allow_greedy_fallback", False, "Run requests that ask for sampling (temperature > 0, "
-                         "top_p < 1, penalties) greedily instead of refusing them with HTTP 400.")
     flags.DEFINE_boolean("warmup", True, "Compile before listening, so the first request does not wait for it.")
 
 

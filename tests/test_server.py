@@ -21,6 +21,7 @@ import pytest
 import uvicorn
 
 from conftest import ROOT, TINY
+from dflash_jax.engine.sampling import GREEDY, SamplingParams
 from dflash_jax.errors import InputError
 
 MAX_CTX = 256
@@ -110,11 +111,12 @@ class Server:
         from dflash_jax.server.request import chat_prompt
         return chat_prompt(self.settings, messages)
 
-    def expect(self, ids, n):
-        """What the engine alone generates: (text without stop tokens, tokens)."""
-        key = (tuple(ids), n)
+    def expect(self, ids, n, sampling=None):
+        """What the engine alone generates (greedy, or sampled as `sampling` says): (text without stop tokens,
+        tokens)."""
+        key = (tuple(ids), n, sampling)
         if key not in self._expected:
-            gen = self.engine.generate(list(ids), n, self.tok.stop_ids)
+            gen = self.engine.generate(list(ids), n, self.tok.stop_ids, sampling=sampling or GREEDY)
             self._expected[key] = (self.tok.decode(gen.tokens, skip_stops=True), gen.tokens)
         return self._expected[key]
 
@@ -265,8 +267,6 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, oai, claude):
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content is required"),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": "many"}, 400, "must be an integer"),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, 400, "at least 1"),
-        ("/v1/chat/completions", {"messages": USER, "temperature": 0.7}, 400, "--allow_greedy_fallback"),
-        ("/v1/chat/completions", {"messages": USER, "n": 2}, 400, "'n' must be 1"),
         ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "not implemented"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}, 400,
          "leaves no room in the context of 256"),
@@ -276,7 +276,6 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, oai, claude):
         ("/v1/completions", {"prompt": ""}, 400, "empty"),
         ("/v1/messages", {"messages": USER}, 400, "'max_tokens' is required"),
         ("/v1/messages", {"messages": [{"role": "system", "content": "x"}], "max_tokens": 4}, 400, "role 'user'"),
-        ("/v1/messages", {"messages": USER, "max_tokens": 4, "top_k": 40}, 400, "top_k 40"),
         ("/v1/messages", {"messages": USER, "max_tokens": 4, "thinking": {"type": "enabled"}}, 400, "thinking"),
         ("/v1/nowhere", {}, 404, "Not Found"),
     ]
@@ -296,6 +295,118 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, oai, claude):
     assert oai.chat.completions.create(model="tiny", messages=USER, max_tokens=16).choices[0].message.content == \
         server.expect(server.chat_ids(USER), 16)[0]
     assert [m.id for m in oai.models.list()] == ["tiny"]
+
+
+def seed_of(response) -> int:
+    """The seed a sampled response reports, checked to be the same in its `x-dflash-seed` header and usage."""
+    seed = int(response.headers["x-dflash-seed"])
+    assert response.parse().usage.seed == seed
+    return seed
+
+
+def test_a_sampled_request_with_a_seed_is_reproducible_and_equals_the_engine(server, oai):
+    """Chat (streaming and not) and completions, with temperature, top_p, top_k, min_p and a seed: the engine's
+    sampled text for those SamplingParams, every time, and not the greedy text."""
+    ids = server.chat_ids(USER)
+    params = SamplingParams(temperature=1.2, top_p=0.95, top_k=50, seed=1234)
+    want, tokens = server.expect(ids, 12, params)
+    assert want != server.expect(ids, 12)[0]  # the test sees whether sampling happened
+    for _ in range(2):
+        r = oai.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=12,
+                                                          temperature=1.2, top_p=0.95, seed=1234,
+                                                          extra_body={"top_k": 50})
+        assert r.parse().choices[0].message.content == want and seed_of(r) == 1234
+        assert r.parse().usage.completion_tokens == len(tokens)
+    with oai.chat.completions.with_streaming_response.create(
+            model="tiny", messages=USER, max_tokens=12, temperature=1.2, top_p=0.95, seed=1234,
+            extra_body={"top_k": 50}, stream=True, stream_options={"include_usage": True}) as r:
+        chunks = list(r.parse())
+        assert r.headers["x-dflash-seed"] == "1234"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.seed == 1234
+    prompt = server.tok.encode("import numpy as np\n")
+    params = SamplingParams(temperature=0.9, min_p=0.05, seed=77)
+    want = server.expect(prompt, 10, params)[0]
+    assert want != server.expect(prompt, 10)[0]
+    r = oai.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0.9, seed=77,
+                               extra_body={"min_p": 0.05})
+    assert r.choices[0].text == want and r.usage.seed == 77
+
+
+def test_a_request_without_a_seed_reports_the_one_it_drew(server, oai):
+    """Two unseeded requests draw different seeds; each text is the engine's for its seed, and sending that seed
+    back gives the same text. A greedy response reports no seed."""
+    ids = server.chat_ids(USER)
+    drawn = []
+    for _ in range(2):
+        r = oai.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=10, temperature=1)
+        seed, text = seed_of(r), r.parse().choices[0].message.content
+        assert text == server.expect(ids, 10, SamplingParams(temperature=1.0, seed=seed))[0]
+        again = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=10, temperature=1, seed=seed)
+        assert again.choices[0].message.content == text
+        drawn.append(seed)
+    assert drawn[0] != drawn[1]
+    r = oai.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=4, seed=5)
+    assert "x-dflash-seed" not in r.headers and r.parse().usage.model_extra.get("seed") is None
+
+
+def test_n_choices_are_sampled_with_consecutive_seeds(server, oai):
+    prompt = server.tok.encode("def add(a, b):")
+    r = oai.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, n=2)
+    seed, body = seed_of(r), r.parse()
+    wants = [server.expect(prompt, 8, SamplingParams(temperature=1.0, seed=seed + i)) for i in range(2)]
+    assert [c.text for c in body.choices] == [w[0] for w in wants] and [c.index for c in body.choices] == [0, 1]
+    assert wants[0][0] != wants[1][0]
+    assert body.usage.completion_tokens == sum(len(w[1]) for w in wants)
+    assert body.usage.prompt_tokens == len(prompt)
+    chat = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=0.8, seed=9, n=3)
+    assert [c.message.content for c in chat.choices] == \
+        [server.expect(server.chat_ids(USER), 6, SamplingParams(temperature=0.8, seed=9 + i))[0] for i in range(3)]
+    greedy = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=6, n=2)
+    assert [c.message.content for c in greedy.choices] == [server.expect(server.chat_ids(USER), 6)[0]] * 2
+
+
+def test_an_anthropic_request_samples_with_temperature_and_top_k(server, claude):
+    """The anthropic package (2.x) has no sampling arguments any more: they go in extra_body, as the API takes
+    them; `seed` is this server's extension."""
+    ids = server.chat_ids(USER)
+    sampled = {"temperature": 0.9, "top_k": 20, "top_p": 0.9}
+    r = claude.messages.with_raw_response.create(model="tiny", messages=USER, max_tokens=10, extra_body=sampled)
+    seed = int(r.headers["x-dflash-seed"])
+    want = server.expect(ids, 10, SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=seed))[0]
+    assert r.parse().content[0].text == want
+    assert want != server.expect(ids, 10)[0]
+    with claude.messages.with_streaming_response.create(model="tiny", messages=USER, max_tokens=10, stream=True,
+                                                        extra_body={**sampled, "seed": seed}) as streamed:
+        assert streamed.headers["x-dflash-seed"] == str(seed)
+        events = list(streamed.parse())
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == want
+
+
+def test_bad_sampling_values_get_a_400_naming_the_field(server):
+    cases = [
+        ("/v1/chat/completions", {"temperature": 2.5}, "temperature", "between 0 and 2"),
+        ("/v1/chat/completions", {"temperature": "warm"}, "temperature", "must be a number"),
+        ("/v1/chat/completions", {"top_p": 0}, "top_p", "in (0, 1]"),
+        ("/v1/chat/completions", {"top_k": -1}, "top_k", "at least 0"),
+        ("/v1/chat/completions", {"min_p": 1.0}, "min_p", "in [0, 1)"),
+        ("/v1/chat/completions", {"seed": 1 << 32}, "seed", "0..2^32-1"),
+        ("/v1/chat/completions", {"n": 17}, "n", "between 1 and 16"),
+        ("/v1/chat/completions", {"n": 2, "stream": True}, "n", "stream with n > 1 is not supported"),
+        ("/v1/completions", {"n": 2, "best_of": 4}, "best_of", "must equal n"),
+        ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty", "penalties are not implemented"),
+        ("/v1/completions", {"logit_bias": {"1": 5}}, "logit_bias", "logit biases are not implemented"),
+        ("/v1/messages", {"temperature": 1.5}, "temperature", "between 0 and 1"),
+        ("/v1/messages", {"top_k": 2.0}, "top_k", "must be an integer"),
+    ]
+    for path, fields, param, message in cases:
+        body = {"prompt": "x"} if path == "/v1/completions" else {"messages": USER, "max_tokens": 4}
+        status, err = server.post(path, {**body, **fields})
+        assert status == 400 and message in err["error"]["message"], (path, fields, err)
+        if path == "/v1/messages":  # Anthropic's error body has no param: the message names the field
+            assert f"'{param}'" in err["error"]["message"]
+        else:
+            assert err["error"]["param"] == param
 
 
 SECRET = "the text of an internal error"
@@ -469,7 +580,8 @@ def test_a_client_killed_mid_stream_stops_its_generation(server, oai):
 
 def test_the_serve_command_answers_like_generate(tiny_gguf_path, jit_cache):
     """`python -m dflash_jax.serve` (flags spelled with dashes, as the issue's users write them) gives what
-    `python -m dflash_jax.generate` prints for the same prompt; Ctrl+C stops it cleanly; bad flags exit 2."""
+    `python -m dflash_jax.generate` prints for the same prompt and sampling flags, its own --temperature and --top-p
+    the defaults of a request that gives only a seed; Ctrl+C stops it cleanly; bad flags exit 2."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     model = ["--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), f"--jit_cache={jit_cache}"]
     sock = socket.socket()
@@ -477,12 +589,12 @@ def test_the_serve_command_answers_like_generate(tiny_gguf_path, jit_cache):
     port = sock.getsockname()[1]
     sock.close()
     proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.serve", *model, "--port", str(port),
-                             "--max-ctx", "512", "--allow-greedy-fallback", "--model-name", "fixture"],
+                             "--max-ctx", "512", "--temperature", "0.7", "--top-p", "0.9", "--model-name", "fixture"],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         gen = subprocess.run([sys.executable, "-m", "dflash_jax.generate", *model, "--prompt", "def fibonacci(n):",
-                              "--n_gen", "12", "--json"], capture_output=True, text=True, cwd=ROOT, env=env,
-                             timeout=300)
+                              "--n_gen", "12", "--temperature", "0.7", "--top_p", "0.9", "--seed", "5", "--json"],
+                             capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
         assert gen.returncode == 0, gen.stderr
         want = json.loads(gen.stdout)
         deadline = time.monotonic() + 240
@@ -494,8 +606,8 @@ def test_the_serve_command_answers_like_generate(tiny_gguf_path, jit_cache):
             except OSError:
                 time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        r = client.chat.completions.create(model="fixture", messages=USER, max_tokens=12, temperature=0.7)
-        assert r.choices[0].message.content == want["text"] and r.model == "fixture"
+        r = client.chat.completions.create(model="fixture", messages=USER, max_tokens=12, seed=5)
+        assert r.choices[0].message.content == want["text"] and r.model == "fixture" and r.usage.seed == 5
         assert r.usage.prompt_tokens == len(want["prompt_ids"]) and r.usage.completion_tokens == len(want["tokens"])
     finally:
         proc.send_signal(signal.SIGINT)

@@ -4,7 +4,9 @@ import pytest
 
 from conftest import TINY_GGUF
 from dflash_jax.generate import _underscored
-from dflash_jax.server.request import BadRequest, Settings, check_greedy, max_tokens, stop_strings, text_of
+from dflash_jax.engine.sampling import SEED_LIMIT, SamplingParams
+from dflash_jax.server.request import (BadRequest, GenRequest, Settings, choices, count, max_tokens, sampling,
+                                       stop_strings, text_of)
 from dflash_jax.server.stops import StopMatcher
 
 
@@ -35,28 +37,58 @@ def settings():
     return Settings(load_tokenizer(TINY_GGUF), "tiny", 100, 1024)
 
 
-@pytest.mark.parametrize("body", [{}, {"temperature": 0}, {"temperature": 0, "top_p": 0.5}, {"top_k": 1},
-                                  {"temperature": 0.8, "top_k": 1}, {"top_p": 1}, {"frequency_penalty": 0},
-                                  {"repetition_penalty": 1}])
-def test_greedy_requests_pass(settings, body):
-    check_greedy(body, settings)
+def test_sampling_fields_become_sampling_params_the_rest_the_servers(settings):
+    got = sampling({"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 7}, settings, 2)
+    assert got == SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=7)
+    assert sampling({}, settings, 2) == SamplingParams() and sampling({"top_k": 5}, settings, 2).greedy
+    assert sampling({"temperature": 1, "top_k": 10 ** 30}, settings, 2).top_k == settings.vocab_size
+    server = Settings(**{**settings.__dict__, "sampling": SamplingParams(temperature=0.5, top_p=0.8), "seed": 3})
+    assert sampling({"top_p": 0.5}, server, 2) == SamplingParams(temperature=0.5, top_p=0.5, seed=3)
+    assert sampling({"temperature": 0}, server, 2).greedy
 
 
-@pytest.mark.parametrize("body, named", [({"temperature": 0.7}, "temperature 0.7"), ({"top_p": 0.9}, "top_p 0.9"),
-                                         ({"top_k": 40}, "top_k 40"), ({"presence_penalty": 0.5}, "presence_penalty"),
-                                         ({"repetition_penalty": 1.1}, "repetition_penalty"),
-                                         ({"logit_bias": {"5": 10}}, "logit_bias")])
-def test_sampling_requests_are_refused_unless_the_server_falls_back(settings, body, named):
-    with pytest.raises(BadRequest, match=f"cannot honour {named}.*--allow_greedy_fallback"):
-        check_greedy(body, settings)
-    check_greedy(body, Settings(**{**settings.__dict__, "allow_greedy_fallback": True}))
+def test_a_sampled_request_without_a_seed_draws_one():
+    from dflash_jax.tokenizer import load_tokenizer
+    settings = Settings(load_tokenizer(TINY_GGUF), "tiny", 100, 1024)
+    seeds = {sampling({"temperature": 1}, settings, 2).seed for _ in range(8)}
+    assert len(seeds) > 1 and all(0 <= s < SEED_LIMIT for s in seeds)
 
 
-@pytest.mark.parametrize("body, message", [({"temperature": 3}, "between 0 and 2"), ({"temperature": "hot"}, "number"),
-                                           ({"top_p": True}, "number"), ({"top_k": 2.5}, "integer")])
-def test_sampling_fields_of_the_wrong_type_or_range_are_refused_even_with_fallback(settings, body, message):
-    with pytest.raises(BadRequest, match=message):
-        check_greedy(body, Settings(**{**settings.__dict__, "allow_greedy_fallback": True}))
+@pytest.mark.parametrize("body, message", [
+    ({"temperature": 3}, "'temperature' must be between 0 and 2, got 3"), ({"temperature": "hot"}, "number"),
+    ({"temperature": float("nan")}, "'temperature' must be between"), ({"temperature": -0.1}, "between 0 and 2"),
+    ({"top_p": True}, "'top_p' must be a number"), ({"top_p": 0}, "'top_p' must be in \\(0, 1\\]"),
+    ({"top_p": 1.5}, "'top_p' must be in"), ({"top_k": 2.5}, "'top_k' must be an integer"),
+    ({"top_k": -1}, "'top_k' must be at least 0"), ({"min_p": 1}, "'min_p' must be in \\[0, 1\\)"),
+    ({"seed": -1}, "'seed' must be in 0..2\\^32-1"), ({"seed": 1 << 32}, "'seed' must be in"),
+    ({"seed": "1"}, "'seed' must be an integer"),
+    ({"presence_penalty": 0.5}, "'presence_penalty' is not supported: penalties are not implemented"),
+    ({"frequency_penalty": -1}, "'frequency_penalty' is not supported"),
+    ({"repetition_penalty": 1.1}, "'repetition_penalty' is not supported"),
+    ({"logit_bias": {"5": 10}}, "'logit_bias' is not supported: logit biases are not implemented")])
+def test_bad_sampling_fields_are_refused_naming_the_field(settings, body, message):
+    with pytest.raises(BadRequest, match=message) as e:
+        sampling(body, settings, 2)
+    assert e.value.param == next(iter(body))
+
+
+def test_neutral_penalties_pass_and_anthropic_temperature_stops_at_1(settings):
+    body = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}}
+    assert sampling(body, settings, 2).greedy
+    with pytest.raises(BadRequest, match="'temperature' must be between 0 and 1, got 1.5"):
+        sampling({"temperature": 1.5}, settings, 1)
+
+
+def test_n_gives_choices_with_consecutive_seeds(settings):
+    assert count({}) == 1 and count({"n": 3, "best_of": 3}) == 3
+    for body, message in [({"n": 0}, "'n' must be between 1 and 16"), ({"n": 17}, "between 1 and 16"),
+                          ({"n": 2, "best_of": 3}, "'best_of' must equal n"), ({"best_of": 2}, "must equal n \\(1\\)"),
+                          ({"n": 2, "stream": True}, "stream with n > 1 is not supported")]:
+        with pytest.raises(BadRequest, match=message):
+            count(body)
+    request = GenRequest([1, 2], 4, sampling=SamplingParams(temperature=1, seed=SEED_LIMIT - 1), n=3)
+    assert [(c.n, c.sampling.seed) for c in choices(request)] == [(1, SEED_LIMIT - 1), (1, 0), (1, 1)]
+    assert all(c.sampling.temperature == 1 and c.ids == [1, 2] for c in choices(request))
 
 
 def test_max_tokens_fits_the_context_or_is_refused_with_the_numbers(settings):
@@ -84,8 +116,8 @@ def test_content_parts_and_stop_fields(settings):
 
 
 def test_flags_may_be_spelled_with_dashes():
-    known = {"allow_greedy_fallback", "max_ctx", "stats", "prompt"}
-    assert _underscored("--allow-greedy-fallback", known) == "--allow_greedy_fallback"
+    known = {"top_p", "max_ctx", "stats", "prompt"}
+    assert _underscored("--top-p", known) == "--top_p"
     assert _underscored("--max-ctx=1024", known) == "--max_ctx=1024"
     assert _underscored("--no-stats", known) == "--nostats"  # absl's negation
     assert _underscored("--nostats", known) == "--nostats"

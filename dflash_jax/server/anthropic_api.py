@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
-from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, check_greedy, field,
-                                       max_tokens, next_turn_prefix, refuse, stop_strings, text_of)
+from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, field, max_tokens,
+                                       next_turn_prefix, refuse, sampling, stop_strings, text_of)
 from dflash_jax.server.wire import new_id, sse
 from dflash_jax.server.worker import Job
 
 UNSUPPORTED = {"tools": "tool use is not implemented", "mcp_servers": "tool use is not implemented"}
 STOP_REASON = {"stop_token": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
+MAX_TEMPERATURE = 1.0  # Anthropic's range of temperature
 
 
 def _messages(body: dict) -> list[dict]:
@@ -41,12 +42,12 @@ def prompt_ids(body: dict, settings: Settings) -> list[int]:
 
 def parse_messages(body: dict, settings: Settings) -> GenRequest:
     """A /v1/messages body as a generation request; a last assistant message is continued (prefill)."""
-    check_greedy(body, settings)
+    sampled = sampling(body, settings, MAX_TEMPERATURE)
     messages = _messages(body)
     ids = chat_prompt(settings, messages)
     limit = max_tokens(field(body, "max_tokens", int), len(ids), settings)
     return GenRequest(ids, limit, stop_strings(body, "stop_sequences"), field(body, "stream", bool, False),
-                      history=next_turn_prefix(settings, messages, ids))
+                      history=next_turn_prefix(settings, messages, ids), sampling=sampled)
 
 
 def _usage(job: Job) -> dict[str, int]:
@@ -61,7 +62,8 @@ def _message(message_id: str, settings: Settings, content: list, stop_reason: st
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
 
-def message_response(job: Job, text: str, settings: Settings) -> dict[str, Any]:
+def message_response(jobs: Sequence[Job], texts: Sequence[str], settings: Settings) -> dict[str, Any]:
+    (job,), (text,) = jobs, texts  # one choice: the Messages API has no n
     return _message(new_id("msg_"), settings, [{"type": "text", "text": text}], STOP_REASON[job.outcome.finish],
                     job.outcome.matched, _usage(job))
 

@@ -2,7 +2,7 @@
 
 Input errors are answered with their message and a 4xx status. Anything else is a bug: its traceback goes to the log
 under a request id, and the client gets a 500 (or, mid-stream, an error event) that names only that id. Every answer
-of a generation endpoint carries its id in the `x-request-id` header."""
+of a generation endpoint carries its id in the `x-request-id` header, and a sampled one its seed in `x-dflash-seed`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from dflash_jax.errors import InputError
 from dflash_jax.server import anthropic_api, openai_api
-from dflash_jax.server.request import BadRequest, GenRequest, Settings
+from dflash_jax.server.request import BadRequest, GenRequest, Settings, choices
 from dflash_jax.server.wire import anthropic_error, internal_error, new_id, now, openai_error, sse
 from dflash_jax.server.worker import GenerationFailed, Job, QueueFull, Worker
 
@@ -186,20 +186,43 @@ async def _collect(job: Job, request: Request) -> str | None:
     return reading.result() if reading.done() else None
 
 
+async def _run_choices(worker: Worker, gen_request: GenRequest, request: Request, request_id: str
+                       ) -> tuple[list[Job], list[str]] | None:
+    """The jobs of a request's choices and their texts, one after another; None when the client leaves first."""
+    jobs, texts = [], []
+    for choice in choices(gen_request):
+        job = worker.submit(choice, asyncio.get_running_loop(), request_id)
+        text = await _collect(job, request)
+        if text is None or job.outcome.finish == "cancelled":
+            return None
+        jobs.append(job)
+        texts.append(text)
+    return jobs, texts
+
+
+def _seed_header(response: Response, gen_request: GenRequest) -> Response:
+    """The seed of a sampled request (its first choice's) in the `x-dflash-seed` header."""
+    if not gen_request.sampling.greedy:
+        response.headers["x-dflash-seed"] = str(gen_request.sampling.seed)
+    return response
+
+
 def build_app(worker: Worker, settings: Settings) -> Starlette:
     """The server's routes over one worker."""
 
-    def endpoint(api: str, parse: Callable[[dict, Settings], GenRequest], respond: Callable[[Job, str, Settings], dict],
+    def endpoint(api: str, parse: Callable[[dict, Settings], GenRequest],
+                 respond: Callable[[Sequence[Job], Sequence[str], Settings], dict],
                  stream: Callable[[Job, Settings], AsyncIterator[str]]):
         async def serve(request: Request, request_id: str) -> Response:
             gen_request = parse(await _json_body(request), settings)
-            job = worker.submit(gen_request, asyncio.get_running_loop(), request_id)
-            if gen_request.stream:
-                return EventStream(_guarded_events(api, stream(job, settings), request_id), job)
-            text = await _collect(job, request)
-            if text is None or job.outcome.finish == "cancelled":  # the client left; nobody reads this
+            if gen_request.stream:  # one choice (request.count refuses n > 1 with stream)
+                job = worker.submit(gen_request, asyncio.get_running_loop(), request_id)
+                events = EventStream(_guarded_events(api, stream(job, settings), request_id), job)
+                return _seed_header(events, gen_request)
+            done = await _run_choices(worker, gen_request, request, request_id)
+            if done is None:  # the client left; nobody reads this
                 return Response(status_code=CLIENT_GONE)
-            return JSONResponse(respond(job, text, settings))
+            return _seed_header(JSONResponse(respond(*done, settings)), gen_request)
 
         return _guarded(api, serve)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
-from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, check_greedy, field,
-                                       max_tokens, next_turn_prefix, refuse, stop_strings, text_of)
+from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, count, field, max_tokens,
+                                       next_turn_prefix, refuse, sampling, stop_strings, text_of)
 from dflash_jax.server.wire import new_id, now, sse
 from dflash_jax.server.worker import Job, Outcome
 
@@ -18,14 +18,13 @@ FINISH = {"stop_token": "stop", "stop_sequence": "stop", "length": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _common(body: dict, settings: Settings) -> None:
-    for name in ("n", "best_of"):
-        if field(body, name, int, 1) != 1:
-            raise BadRequest(f"'{name}' must be 1: one choice per request", name)
+MAX_TEMPERATURE = 2.0  # OpenAI's range of temperature
+
+
+def _common(body: dict) -> None:
     fmt = field(body, "response_format", dict, {"type": "text"})
     if fmt.get("type") != "text":
         raise BadRequest(f"response_format {fmt.get('type')!r} is not supported (only text)", "response_format")
-    check_greedy(body, settings)
 
 
 def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[str, ...],
@@ -34,13 +33,14 @@ def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[
     limit = field(body, name, int, None)
     options = field(body, "stream_options", dict, {})
     return GenRequest(ids, max_tokens(limit, len(ids), settings, name), stop_strings(body, "stop"),
-                      field(body, "stream", bool, False), bool(options.get("include_usage")), history=history)
+                      field(body, "stream", bool, False), bool(options.get("include_usage")), history=history,
+                      sampling=sampling(body, settings, MAX_TEMPERATURE), n=count(body))
 
 
 def parse_chat(body: dict, settings: Settings) -> GenRequest:
     """A /v1/chat/completions body as a generation request (400 for anything the server cannot honour)."""
     refuse(body, UNSUPPORTED)
-    _common(body, settings)
+    _common(body)
     messages = []
     for i, m in enumerate(field(body, "messages", list)):
         where = f"messages[{i}]"
@@ -68,7 +68,7 @@ def parse_chat(body: dict, settings: Settings) -> GenRequest:
 def parse_completion(body: dict, settings: Settings) -> GenRequest:
     """A /v1/completions body (one prompt: text, or token ids) as a generation request."""
     refuse(body, COMPLETION_UNSUPPORTED)
-    _common(body, settings)
+    _common(body)
     prompt = field(body, "prompt", (str, list))
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -86,23 +86,27 @@ def parse_completion(body: dict, settings: Settings) -> GenRequest:
     return _request(body, ids, settings, ("max_tokens",))
 
 
-def usage(request: GenRequest, outcome: Outcome) -> dict[str, Any]:
-    n, c = len(request.ids), outcome.completion_tokens
-    return {"prompt_tokens": n, "completion_tokens": c, "total_tokens": n + c,
-            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
+def usage(request: GenRequest, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """Token counts: the prompt once, the completions of every choice summed, and the seed of a sampled request."""
+    n, c = len(request.ids), sum(o.completion_tokens for o in outcomes)
+    counts = {"prompt_tokens": n, "completion_tokens": c, "total_tokens": n + c,
+              "prompt_tokens_details": {"cached_tokens": outcomes[0].cached_tokens}}
+    return counts if request.sampling.greedy else {**counts, "seed": request.sampling.seed}
 
 
-def chat_response(job: Job, text: str, settings: Settings) -> dict[str, Any]:
+def chat_response(jobs: Sequence[Job], texts: Sequence[str], settings: Settings) -> dict[str, Any]:
     return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": settings.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": FINISH[job.outcome.finish]}],
-            "usage": usage(job.request, job.outcome)}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": FINISH[job.outcome.finish]}
+                        for i, (job, text) in enumerate(zip(jobs, texts))],
+            "usage": usage(jobs[0].request, [job.outcome for job in jobs])}
 
 
-def completion_response(job: Job, text: str, settings: Settings) -> dict[str, Any]:
+def completion_response(jobs: Sequence[Job], texts: Sequence[str], settings: Settings) -> dict[str, Any]:
     return {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": settings.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH[job.outcome.finish]}],
-            "usage": usage(job.request, job.outcome)}
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": FINISH[job.outcome.finish]}
+                        for i, (job, text) in enumerate(zip(jobs, texts))],
+            "usage": usage(jobs[0].request, [job.outcome for job in jobs])}
 
 
 def _chat_choice(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
@@ -123,7 +127,7 @@ async def _stream(job: Job, settings: Settings, kind: str, choice: Callable[...,
         yield sse({**head, "choices": [choice(piece, None)]})
     yield sse({**head, "choices": [choice(None, FINISH[job.outcome.finish])]})
     if job.request.include_usage:
-        yield sse({**head, "choices": [], "usage": usage(job.request, job.outcome)})
+        yield sse({**head, "choices": [], "usage": usage(job.request, [job.outcome])})
     yield sse("[DONE]")
 
 

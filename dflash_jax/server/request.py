@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+import secrets
+from typing import Any, Callable, Mapping, Sequence
 
 from dflash_jax.chat_template import TemplateError
+from dflash_jax.engine.sampling import GREEDY, SEED_LIMIT, SamplingParams
 from dflash_jax.errors import InputError
 from dflash_jax.tokenizer import Tokenizer
 
@@ -30,7 +32,8 @@ class Settings:
     vocab_size: int  # the target's: token ids in a prompt must be below it
     default_max_tokens: int = 0  # for requests that give no limit; 0: the rest of the context
     thinking: bool = False  # the chat template's thinking block, unless a request says otherwise
-    allow_greedy_fallback: bool = False  # run sampling requests greedily instead of refusing them
+    sampling: SamplingParams = GREEDY  # temperature, top_p, top_k, min_p of requests that leave them out
+    seed: int | None = None  # the seed of sampled requests that give none (None: one drawn per request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,8 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage: a last chunk with the token counts
     history: int = 0  # leading ids the conversation's next turn repeats (`next_turn_prefix`): the worker marks them
+    sampling: SamplingParams = GREEDY
+    n: int = 1  # completions of the prompt, the i-th sampled with seed + i (`choices`)
 
 
 def field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = _MISSING) -> Any:
@@ -54,7 +59,8 @@ def field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], de
         return default
     # bool is an int in Python: a field of numbers must not take true/false
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
-        names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in _as_tuple(types))
+        named = [t for t in _as_tuple(types) if not (t is int and float in _as_tuple(types))]  # an int is a number
+        names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in named)
         raise BadRequest(f"'{name}' must be {names}, got {_json_type(value)}", name)
     return value
 
@@ -75,32 +81,60 @@ def _json_type(value: Any) -> str:
     return "null"
 
 
-def check_greedy(body: Mapping[str, Any], settings: Settings) -> None:
-    """Refuse sampling (until lossless sampling exists) unless the server runs it greedily by choice.
+def _ranged(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], ok: Callable[[Any], bool],
+            rule: str) -> Any:
+    """An optional field checked against types and a rule (None when absent)."""
+    value = field(body, name, types, None)
+    if value is not None and not ok(value):
+        raise BadRequest(f"'{name}' must be {rule}, got {value}", name)
+    return value
 
-    A request is greedy when it gives temperature 0 or top_k 1, or no sampling field at all; temperature > 0,
-    top_p < 1, top_k > 1 and penalties or logit biases that change the choice ask for something else."""
-    temperature = field(body, "temperature", (int, float), None)
-    top_p = field(body, "top_p", (int, float), None)
-    top_k = field(body, "top_k", int, None)
-    for name, value, low, high in [("temperature", temperature, 0, 2), ("top_p", top_p, 0, 1)]:
-        if value is not None and not low <= value <= high:
-            raise BadRequest(f"'{name}' must be between {low} and {high}, got {value}", name)
-    if temperature == 0 or top_k == 1:
-        asks = []
-    else:
-        asks = [f"{name} {value}" for name, value, greedy in
-                [("temperature", temperature, 0), ("top_p", top_p, 1), ("top_k", top_k, None)]
-                if value is not None and value != greedy]
-    asks += [f"{name} {body[name]}" for name in ("frequency_penalty", "presence_penalty")
-             if body.get(name) not in (None, 0)]
-    asks += [f"repetition_penalty {body['repetition_penalty']}"] if body.get("repetition_penalty") not in (None, 1) \
-        else []
-    asks += ["logit_bias"] if body.get("logit_bias") else []
-    if asks and not settings.allow_greedy_fallback:
-        raise BadRequest(f"this server decodes greedily only and cannot honour {', '.join(asks)}; send temperature "
-                         "0 (or leave the sampling fields out), or start the server with --allow_greedy_fallback "
-                         "to run such requests greedily", asks[0].split()[0])
+
+def refuse_penalties(body: Mapping[str, Any]) -> None:
+    """400 for penalties and logit biases, which are not implemented, unless they are left at their neutral value."""
+    for name, neutral in [("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1)]:
+        if field(body, name, (int, float), neutral) != neutral:
+            raise BadRequest(f"'{name}' is not supported: penalties are not implemented (leave it out or send "
+                             f"{neutral})", name)
+    if field(body, "logit_bias", dict, {}):
+        raise BadRequest("'logit_bias' is not supported: logit biases are not implemented", "logit_bias")
+
+
+def sampling(body: Mapping[str, Any], settings: Settings, max_temperature: float) -> SamplingParams:
+    """A request's sampling fields (temperature 0: greedy), those it leaves out the server's; a sampled request
+    without a seed gets the server's, else one drawn at random, which the response reports."""
+    number = (int, float)
+    temperature = _ranged(body, "temperature", number, lambda v: 0 <= v <= max_temperature,
+                          f"between 0 and {max_temperature:g}")
+    top_p = _ranged(body, "top_p", number, lambda v: 0 < v <= 1, "in (0, 1]")
+    top_k = _ranged(body, "top_k", int, lambda v: v >= 0, "at least 0 (0: off)")
+    min_p = _ranged(body, "min_p", number, lambda v: 0 <= v < 1, "in [0, 1)")
+    seed = _ranged(body, "seed", int, lambda v: 0 <= v < SEED_LIMIT, "in 0..2^32-1")
+    refuse_penalties(body)
+    d = settings.sampling
+    temperature = d.temperature if temperature is None else float(temperature)
+    if seed is None:
+        seed = settings.seed if settings.seed is not None else secrets.randbelow(SEED_LIMIT) if temperature else 0
+    return SamplingParams(temperature=temperature, top_p=d.top_p if top_p is None else float(top_p),
+                          top_k=d.top_k if top_k is None else min(top_k, settings.vocab_size),
+                          min_p=d.min_p if min_p is None else float(min_p), seed=seed)
+
+
+def count(body: Mapping[str, Any], limit: int = 16) -> int:
+    """OpenAI's n (with best_of, if given, equal to it): how many completions of the prompt to return."""
+    n = _ranged(body, "n", int, lambda v: 1 <= v <= limit, f"between 1 and {limit}") or 1
+    best_of = field(body, "best_of", int, n)
+    if best_of != n:
+        raise BadRequest(f"'best_of' must equal n ({n}): completions are not ranked", "best_of")
+    if n > 1 and field(body, "stream", bool, False):
+        raise BadRequest("stream with n > 1 is not supported", "n")
+    return n
+
+
+def choices(request: GenRequest) -> list[GenRequest]:
+    """The request's n generations, one choice each: choice i samples with seed + i (modulo 2^32)."""
+    return [dataclasses.replace(request, n=1, sampling=dataclasses.replace(
+        request.sampling, seed=(request.sampling.seed + i) % SEED_LIMIT)) for i in range(request.n)]
 
 
 def refuse(body: Mapping[str, Any], fields: Mapping[str, str]) -> None:

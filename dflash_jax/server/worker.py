@@ -191,7 +191,8 @@ class Worker:
 
         t0 = time.perf_counter()
         gen = self.engine.generate(request.ids[start:], request.max_tokens, tok.stop_ids, on_tokens, after=after,
-                                   keep_pending=whole, mark_at=max(request.history - start, 0))
+                                   keep_pending=whole, mark_at=max(request.history - start, 0),
+                                   sampling=request.sampling)
         if not gen.halted:
             tail = matcher.push(decoder.flush()) + matcher.flush()
             if tail:
@@ -203,5 +204,6 @@ class Worker:
         decode_s = time.perf_counter() - t0 - gen.prefill_s
         self.log(f"{len(request.ids)} prompt tokens ({reused} reused, {len(request.ids) - reused} prefilled in "
                  f"{gen.prefill_s:.2f} s) + {len(gen.tokens)} generated in {decode_s:.2f} s, acceptance length "
-                 f"{gen.mean_accept_length:.2f}, {gen.decode_tokens_per_s:.1f} tok/s; {finish}")
+                 f"{gen.mean_accept_length:.2f}, {gen.decode_tokens_per_s:.1f} tok/s, {request.sampling.describe()}; "
+                 f"{finish}")
         return Outcome(finish, len(gen.tokens), reused, matcher.matched)
