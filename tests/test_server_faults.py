@@ -368,6 +368,8 @@ def test_a_hundred_clients_some_leaving_then_the_server_is_healthy_and_as_it_was
     claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     crowd(server, oai, claude, 2 * len(KINDS))
     wait_until(lambda: handlers(server) == 0, "the warm-up's handlers end")
+    # the worker drops the warm-up's queued jobs whose clients left only when it reaches them
+    wait_until(lambda: server_memory()[0] == 0, "the worker drops the warm-up's jobs")
     jobs, rss = server_memory()
     connections = len(server.uvicorn.server_state.connections)
     with logged() as records:
