@@ -171,7 +171,7 @@ def _from_tiles(tiles: dict[str, jax.Array]):
     return (lambda name, *idx: tiles[f"{name}{idx}"]), (lambda plane: tiles[f"x{plane}"])
 
 
-def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], math: str,
+def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: tuple[str, ...], math: str | None,
                  interpret: bool, *refs):
     # x_ref [planes, units, *UNIT_SHAPE]: bf16 or float16 as `mma` rounds it (math given), else bf16 values in
     # float32; w_refs [N, units, ...]; o_ref [splits, 1, N']
@@ -200,7 +200,7 @@ def _gemv_kernel(fmt: str, n: int, step: int, steps: int, block_n: int, names: t
     o_ref[split, 0, pl.ds(r0, block_n)] = acc
 
 
-def gemv_tile(fmt: str, plane: int, get, math: str, interpret: bool) -> jax.Array:
+def gemv_tile(fmt: str, plane: int, get, math: str | None, interpret: bool) -> jax.Array:
     """A plane tile in float32 holding the weights as the tensor-core kernel rounds them under `math` (times its
     gain): `plane_tile_mma`, by the same inline PTX on a GPU, for Q4_K/Q6_K; `plane_tile` rounded to bf16 for the
     others; math None: the weights exact."""
