@@ -32,7 +32,8 @@ from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
 from dflash_jax.engine.sampling import SEED_LIMIT, SamplingParams
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
-from dflash_jax.load import TargetFile, draft_config, load_draft, load_target, open_target, target_tokenizer
+from dflash_jax.load import (TargetFile, check_path, draft_config, load_draft, load_target, open_target,
+                             target_tokenizer)
 from dflash_jax.profiling import CompileLog, StepTrace
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, require_utf8
@@ -78,8 +79,8 @@ def open_models(target_path: str, draft_path: str | None, mode: str) -> Opened:
     """Open the target's header, its tokenizer and (unless mode is ar) the drafter's config, each checked against
     the others, reading no weight: bad files are refused before the slow part."""
     for path in (target_path, draft_path):
-        if path is not None and not os.path.exists(path):
-            raise UsageError(f"{path}: no such file or directory")
+        if path is not None:
+            check_path(path)
     if mode != "ar" and draft_path is None:
         raise UsageError(f"--mode {mode} needs a drafter: pass --draft DIR (or use --mode ar)")
     t0 = time.perf_counter()

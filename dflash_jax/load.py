@@ -66,11 +66,19 @@ class TargetFile:
     gguf: GGUFModel | None
 
 
+def check_path(path: str) -> None:
+    """A model path must exist and be a regular file or a directory: a named pipe or a device would block the read
+    or stream without end."""
+    if not os.path.exists(path):
+        raise LoadError(f"{path}: no such file or directory")
+    if not (os.path.isfile(path) or os.path.isdir(path)):
+        raise LoadError(f"{path}: not a regular file or a directory")
+
+
 def open_target(path: str | os.PathLike) -> TargetFile:
     """A GGUF file's header and tensor table, or an HF directory's config.json, read and checked."""
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise LoadError(f"{path}: no such file or directory")
+    check_path(path)
     if os.path.isdir(path):
         return TargetFile(path, hf_target_config(path), None)
     model = GGUFModel(path)
@@ -223,8 +231,7 @@ def draft_config(path: str | os.PathLike, target: TargetConfig) -> DraftConfig:
     """The config.json of a DFlash drafter (its directory, or the .safetensors file beside it), checked against the
     target it will draft for; no weight is read."""
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise LoadError(f"{path}: no such file or directory")
+    check_path(path)
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):

@@ -231,3 +231,21 @@ def test_reference_matrices_are_dequantized_once_when_they_fit(tiny_gguf_path):
     wq, qt = dense["layers"][3]["wq"], stored["layers"][3]["wq"]
     np.testing.assert_array_equal(wq, dequantize(qt))
     assert prepare_matrices(stored, REFERENCE, dense_limit=1000) is stored
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_named_pipe_is_refused_without_reading_it(tmp_path):
+    """A FIFO as --target or --draft would block the first read: refused by its type, before any open."""
+    from dflash_jax.load import draft_config, open_target
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(LoadError, match="not a regular file or a directory"):
+        open_target(fifo)
+    with pytest.raises(LoadError, match="not a regular file or a directory"):
+        draft_config(fifo, None)
+    proc = subprocess.run([sys.executable, "-m", "dflash_jax.generate", "--target", str(fifo), "--mode", "ar",
+                           "--prompt", "hi", "--jit_cache="], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "not a regular file" in proc.stderr and "Traceback" not in proc.stderr
