@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import secrets
 import sys
 import time
 from typing import Sequence
@@ -30,7 +29,7 @@ from dflash_jax.config import DRAFT_RULES, KV_DTYPES, NUMERICS, EngineConfig, Ke
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, free_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
-from dflash_jax.engine.sampling import SEED_LIMIT, SamplingParams
+from dflash_jax.engine.sampling import SamplingParams, seed_or_drawn
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
 from dflash_jax.load import (TargetFile, check_path, draft_config, load_draft, load_target, open_target,
                              target_tokenizer)
@@ -199,8 +198,8 @@ def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_ro
 def sampling_from_flags(f) -> SamplingParams:
     """The sampling flags (`temperature`, `top_p`, `top_k`, `min_p`, `seed`) as SamplingParams; with no --seed a
     sampled run draws one (report it: `SamplingParams.describe`)."""
-    seed = f.seed if f.seed is not None else (secrets.randbelow(SEED_LIMIT) if f.temperature > 0 else 0)
-    return SamplingParams(temperature=f.temperature, top_p=f.top_p, top_k=f.top_k, min_p=f.min_p, seed=seed)
+    return SamplingParams(temperature=f.temperature, top_p=f.top_p, top_k=f.top_k, min_p=f.min_p,
+                          seed=seed_or_drawn(f.seed, f.temperature))
 
 
 def tree_settings(ecfg: EngineConfig, engine) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,13 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+def seed_or_drawn(seed: int | None, temperature: float) -> int:
+    """The seed asked for, else for sampling one drawn at random (report it: it reproduces the run), else 0."""
+    if seed is not None:
+        return seed
+    return secrets.randbelow(SEED_LIMIT) if temperature > 0 else 0
 
 
 def gumbel_noise(seed: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:

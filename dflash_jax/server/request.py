@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from typing import Any, Callable, Mapping, Sequence
 
 from dflash_jax.chat_template import TemplateError
-from dflash_jax.engine.sampling import GREEDY, SEED_LIMIT, SamplingParams
+from dflash_jax.engine.sampling import GREEDY, SEED_LIMIT, SamplingParams, seed_or_drawn
 from dflash_jax.errors import InputError
 from dflash_jax.tokenizer import Tokenizer
 
@@ -113,8 +112,7 @@ def sampling(body: Mapping[str, Any], settings: Settings, max_temperature: float
     refuse_penalties(body)
     d = settings.sampling
     temperature = d.temperature if temperature is None else float(temperature)
-    if seed is None:
-        seed = settings.seed if settings.seed is not None else secrets.randbelow(SEED_LIMIT) if temperature else 0
+    seed = seed_or_drawn(settings.seed if seed is None else seed, temperature)
     return SamplingParams(temperature=temperature, top_p=d.top_p if top_p is None else float(top_p),
                           top_k=d.top_k if top_k is None else min(top_k, settings.vocab_size),
                           min_p=d.min_p if min_p is None else float(min_p), seed=seed)
