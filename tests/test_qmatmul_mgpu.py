@@ -226,7 +226,7 @@ def test_kernel_options(splits, stages):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 23])
 def test_qmatmul_with_the_layout_beside_at_27b_shapes(m):
-    """mgpu="beside": 2+ tokens on the Mosaic kernel, one on the int8 GEMV, each against qmatmul's reference."""
+    """mgpu="beside": 2+ tokens on the Mosaic kernel, one on the float GEMV, each against qmatmul's reference."""
     qt = q4k(17408, 5120, seed=5)
     pw = qm.pack(qt.fmt, qt.shape, qt.data, mgpu="beside")
     x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)

@@ -145,7 +145,7 @@ def test_kernel_on_the_output_head():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mgpu", ["beside", "only"])
 def test_qmatmul_with_the_q6k_layout_at_a_27b_shape(mgpu):
-    """qmatmul on ffn_down's shape with the Mosaic layout beside the Triton one (one token on the int8 GEMV) or
+    """qmatmul on ffn_down's shape with the Mosaic layout beside the Triton one (one token on the float GEMV) or
     alone (every product on the Mosaic kernel), against qmatmul's reference."""
     qt = q6k(5120, 17408, seed=6)
     pw = qm.pack(qt.fmt, qt.shape, qt.data, mgpu=mgpu)
