@@ -34,6 +34,9 @@ tree_attention and gdn results also carry the GPU kernel time of the call (kerne
 
 tree_conv: the GDN layers' causal conv + SiLU (10240 channels) of a 23-node tree over the 48 layers, for channel
 tiles of 32..256 and 1 or 4 warps, against the jnp reference under XLA.
+
+qmatmul, tree_attention and gdn run under `--numerics` (default: this device's, as `generate` resolves it): exact
+rounds every product alike at any row count, fast is the faster kernels (docs/architecture.md, "Numerics").
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (copy_rate, environment, gdn_layer_inputs, median_seconds,  # noqa: E402
                       kernel_seconds_by_name, parse_options)
 
-from dflash_jax.config import load_target_config  # noqa: E402
+from dflash_jax.config import NUMERICS, load_target_config  # noqa: E402
+from dflash_jax.defaults import resolve_kernels  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models.target import Block  # noqa: E402
 from dflash_jax.models.target import _conv_index as conv_index  # noqa: E402
@@ -139,9 +143,9 @@ def _line(name: str, fmt: str, m: int, what: str, r: dict) -> str:
 
 def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None,
                   splits: bool = False, tiles: list[str] = (), extra: list[dict] = (), shapes: list = SHAPES,
-                  min_bytes: int = MIN_BYTES, interpret: bool = False) -> list[dict]:
-    """qmatmul (the Triton layout's route for each M) and XLA's dequantize-then-dot on each shape at each M, with the
-    variants asked for; `interpret` runs the kernels in interpret mode (a CPU check of the harness)."""
+                  min_bytes: int = MIN_BYTES, interpret: bool = False, exact: bool = True) -> list[dict]:
+    """qmatmul (the Triton layout's route for each M under `exact`) and XLA's dequantize-then-dot on each shape at each
+    M, with the variants asked for; `interpret` runs the kernels in interpret mode (a CPU check of the harness)."""
     rows = []
     for name, fmt, n, k in shapes:
         if only and f"{name}:{fmt}" not in only:
@@ -150,7 +154,7 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
         packed = [qm.pack(q.fmt, q.shape, q.data) for q in qts]
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-            ref = qm.qmatmul_reference(x, packed[0])
+            ref = qm.qmatmul_reference(x, packed[0], exact=exact)
             variants = [dict()]
             if sweep:
                 variants += [dict(block_n=bn, columns=c, num_warps=nw)
@@ -163,7 +167,8 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
             variants += [{k: v for k, v in opts.items() if k != "m"} for opts in extra if opts.get("m", m) == m]
             for opts in variants:
                 try:
-                    run = jax.jit(lambda x, ws, o=opts: [qm.qmatmul(x, w, interpret=interpret, **o) for w in ws])
+                    run = jax.jit(lambda x, ws, o=opts: [qm.qmatmul(x, w, interpret=interpret, exact=exact, **o)
+                                                         for w in ws])
                     out = run(x, packed)[0]
                     err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
                     times = _times(run, x, packed, gguf_bytes, copy)
@@ -229,7 +234,8 @@ def _random_tree(n: int, seed: int = 0) -> jax.Array:
     return anc
 
 
-def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 32768)) -> list[dict]:
+def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True
+                         ) -> list[dict]:
     cfg = load_target_config(CONFIG_27B)
     layers, hq, hkv, d = len(cfg.full_attention_layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     anc, lo = _random_tree(n), jnp.zeros(n, jnp.int32)
@@ -254,8 +260,8 @@ def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 
             variants += [dict(splits=s) for s in (8, 32, 64)]
         for opts in variants:
             try:
-                run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo, **o)
-                                                     for kc, vc in cs])
+                run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo, exact=exact,
+                                                                    **o) for kc, vc in cs])
                 err = float(jnp.linalg.norm(run(q, caches)[0] - want) / jnp.linalg.norm(want))
                 t = median_seconds(run, q, caches)
             except Exception as e:  # a variant that does not compile is a result of the sweep, not a failure
@@ -299,7 +305,7 @@ def ar_weight_bytes() -> int:
     return sum(weight_bytes_by_format().values())
 
 
-def bench_gdn(copy: float, n: int = 23) -> list[dict]:
+def bench_gdn(copy: float, n: int = 23, exact: bool = True) -> list[dict]:
     cfg = load_target_config(CONFIG_27B)
     layers, h = len(cfg.linear_attention_layers), cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -313,7 +319,8 @@ def bench_gdn(copy: float, n: int = 23) -> list[dict]:
                                         for i, x in enumerate(xs)])
 
     leaf = jnp.int32(n - 1)
-    for name, run in (("gdn verify", verify_all(gdn.gdn_tree)), ("XLA reference verify", verify_all(ref.gdn_block))):
+    tree, chunked = (functools.partial(f, exact=exact) for f in (gdn.gdn_tree, gdn.gdn_chunked))
+    for name, run in (("gdn verify", verify_all(tree)), ("XLA reference verify", verify_all(ref.gdn_block))):
         t = median_seconds(run, per_layer, ssm)
         rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
                          **_kernel_times(run, per_layer, ssm)))
@@ -323,15 +330,15 @@ def bench_gdn(copy: float, n: int = 23) -> list[dict]:
     def prefill_all(fn):
         return jax.jit(lambda xs, ssm: [fn(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i])
                                         for i, x in enumerate(xs)])
-    for name, run in (("gdn prefill chunk", prefill_all(gdn.gdn_chunked)),
+    for name, run in (("gdn prefill chunk", prefill_all(chunked)),
                       ("XLA reference prefill", prefill_all(ref.gdn_chunked))):
         t = median_seconds(run, tokens64, ssm)
         rows.append(dict(kernel=name, n=64, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
                          **_kernel_times(run, tokens64, ssm)))
         print(f"  {name:22s} T=64 x {layers} layers {t*1e6:8.1f} us" + _kernel_note(rows[-1], "gdn"), flush=True)
-    outs = verify_all(gdn.gdn_tree)(per_layer, ssm)
+    outs = verify_all(tree)(per_layer, ssm)
     carry = (jnp.stack([x["k"] for x in per_layer]), jnp.stack([o[1] for o in outs]), jnp.stack([o[2] for o in outs]))
-    commit = jax.jit(lambda s, k, vn, gm: gdn.gdn_commit(s, k, vn, gm, anc[n - 1], leaf))
+    commit = jax.jit(lambda s, k, vn, gm: gdn.gdn_commit(s, k, vn, gm, anc[n - 1], leaf, exact=exact))
     commit_ref = jax.jit(lambda s, k, vn, gm: jax.vmap(
         lambda s, k, vn, gm: ref.gdn_path_state(k, vn, gm, s, anc[n - 1], leaf))(s, k, vn, gm))
     state_bytes = 2 * ssm.nbytes  # read S0, write S
@@ -387,19 +394,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
                     choices=["qmatmul", "qmatmul_mgpu", "tree_attention", "gdn", "tree_conv"],
                     help="which kernels to time")
+    ap.add_argument("--numerics", choices=NUMERICS, default=None,
+                    help="the kernels' rounding (KernelConfig.numerics); default: this device's, as generate's")
     args = ap.parse_args(argv)
-    env = environment()
+    exact = resolve_kernels(numerics=args.numerics).exact
+    env = {**environment(), "exact": exact}
     copy = copy_rate()
     print(f"{env}\ncopy rate {copy / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     if "qmatmul" in args.kernels:
-        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits, args.tiles, args.variants)
+        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits, args.tiles, args.variants,
+                              exact=exact)
     if "qmatmul_mgpu" in args.kernels:
         rows += bench_qmatmul_mgpu(args.m, copy, set(args.only or ()), args.variants)
     if "tree_attention" in args.kernels:
-        rows += bench_tree_attention(copy, args.sweep)
+        rows += bench_tree_attention(copy, args.sweep, exact=exact)
     if "gdn" in args.kernels:
-        rows += bench_gdn(copy)
+        rows += bench_gdn(copy, exact=exact)
     if "tree_conv" in args.kernels:
         rows += bench_tree_conv(copy)
     args.out.parent.mkdir(parents=True, exist_ok=True)
