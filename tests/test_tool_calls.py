@@ -91,8 +91,8 @@ def test_a_reply_without_calls_is_all_content():
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",  # cut off (max_tokens)
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",  # no </function>
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",  # parameter open
-    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n3\n</parameter>\n"
-    "</function>\n</tool_call>",  # a parameter left open before the next
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n3\n</parameter>\n"
+     "</function>\n</tool_call>"),  # a parameter left open before the next
     call("get_weather", ("city", "Paris"), ("city", "Rome")),  # a repeated parameter
     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>",  # Hermes JSON, not this form
     "<tool_call>\n<function=get_weather>\nstray text\n</function>\n</tool_call>",
