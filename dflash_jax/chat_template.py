@@ -53,11 +53,14 @@ def _compile(template: str):
 
 
 def render(messages: Sequence[Mapping[str, Any]], template: str | None = None, *, add_generation_prompt: bool = True,
-           enable_thinking: bool | None = None, bos_token: str | None = None, eos_token: str | None = None) -> str:
-    """The prompt text for messages ({"role", "content"} dicts); template None means ChatML.
+           enable_thinking: bool | None = None, bos_token: str | None = None, eos_token: str | None = None,
+           tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The prompt text for messages ({"role", "content"} dicts, with any other keys the template reads, such as an
+    assistant's `tool_calls`); template None means ChatML.
 
     enable_thinking None leaves the template's own default; True or False is passed to it (Qwen3.5's template opens
-    an empty `<think></think>` block when it is False)."""
+    an empty `<think></think>` block when it is False). tools, when given, are passed as `tools`, as transformers
+    passes them (Qwen3.5's template lists them in the system turn)."""
     import jinja2
 
     for m in messages:
@@ -67,6 +70,8 @@ def render(messages: Sequence[Mapping[str, Any]], template: str | None = None, *
                                   bos_token=bos_token or "", eos_token=eos_token or "")
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    if tools:
+        kwargs["tools"] = [dict(t) for t in tools]
     try:
         return _compile(template or CHATML).render(**kwargs)
     except jinja2.TemplateError as e:

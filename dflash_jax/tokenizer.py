@@ -99,10 +99,10 @@ class Tokenizer:
         return StreamDecoder(self, skip_stops)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    enable_thinking: bool | None = None) -> str:
-        """Prompt text of chat messages through this model's template (ChatML without one)."""
+                    enable_thinking: bool | None = None, tools: Sequence[dict] | None = None) -> str:
+        """Prompt text of chat messages (and the tools offered) through this model's template (ChatML without one)."""
         return render(messages, self.chat_template, add_generation_prompt=add_generation_prompt,
-                      enable_thinking=enable_thinking, bos_token=self.bos_token, eos_token=self.eos_token)
+                      enable_thinking=enable_thinking, bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":

@@ -30,17 +30,24 @@ MAX_QUEUE = 20
 
 class GatedEngine:
     """The server's engine behind a gate the test can close, to hold the worker inside a request; a `fault` the test
-    sets is raised in the next request, after its first tokens went out."""
+    sets is raised in the next request, after its first tokens went out; a `script` of token ids the test sets is the
+    next request's reply instead of the model's (a forced reply, ended by a stop token; no state is kept)."""
 
     def __init__(self, engine):
         self.engine, self.open, self.entered = engine, threading.Event(), threading.Event()
         self.open.set()
-        self.fault = None
+        self.fault = self.script = None
 
     def generate(self, ids, n_gen, stop_ids, on_tokens, **kwargs):
         self.entered.set()
         self.open.wait()
         fault, self.fault = self.fault, None
+        script, self.script = self.script, None
+        if script is not None:
+            from dflash_jax.engine.generate import Generation
+            tokens = (list(script) + [stop_ids[0]])[:n_gen]
+            on_tokens(tokens)
+            return Generation(tokens, [len(tokens)], 0, 0.0, 0.0, stopped=tokens[-1] in stop_ids)
 
         def failing(new):
             on_tokens(new)
@@ -69,7 +76,8 @@ class Server:
     """The app over the fixture pair on 127.0.0.1 in a thread; `chat_template` replaces the fixture's own (which
     ignores thinking) for the requests."""
 
-    def __init__(self, tiny_gguf_path, max_queue: int = MAX_QUEUE, chat_template: str | None = None):
+    def __init__(self, tiny_gguf_path, max_queue: int = MAX_QUEUE, chat_template: str | None = None,
+                 max_ctx: int = MAX_CTX):
         from dflash_jax.config import EngineConfig
         from dflash_jax.engine.generate import Engine
         from dflash_jax.load import load_draft, load_target
@@ -81,13 +89,13 @@ class Server:
         target = load_target(tiny_gguf_path, progress=False)
         draft = load_draft(TINY / "draft-full", target.config, progress=False)
         self.tok = load_tokenizer(tiny_gguf_path)
-        self.engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX))
+        self.engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=max_ctx))
         self.gated, self.logs = GatedEngine(self.engine), []
         self.worker = Worker(self.gated, self.tok, max_queue, log=self.logs.append)
         tok = self.tok if chat_template is None else Tokenizer(self.tok.backend, self.tok.token_bytes, self.tok.special,
                                                                self.tok.eos_id, chat_template, self.tok.bos_token)
         self.parsing = FaultyTokenizer(tok)
-        self.settings = Settings(self.parsing, "tiny", MAX_CTX, target.config.vocab_size)
+        self.settings = Settings(self.parsing, "tiny", max_ctx, target.config.vocab_size)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -263,11 +271,13 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, oai, claude):
         ("/v1/chat/completions", {"messages": "hi"}, 400, "'messages' must be an array"),
         ("/v1/chat/completions", {"messages": []}, 400, "must not be empty"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role must be one of"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "tool calls are not"),
+        ("/v1/chat/completions", {"messages": [{"role": "function", "content": "x"}]}, 400, "send 'tool'"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content is required"),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": "many"}, 400, "must be an integer"),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, 400, "at least 1"),
-        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "not implemented"),
+        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0] must be"),
+        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+         "need a chat template that renders them"),  # the fixture's own template renders no tools
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}, 400,
          "leaves no room in the context of 256"),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 250}, 400, "exceeds the context of 256 tokens"),

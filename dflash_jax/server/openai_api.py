@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, count, field, max_tokens,
                                        next_turn_prefix, refuse, sampling, stop_strings, text_of)
+from dflash_jax.server.tool_calls import arguments_json, parse
 from dflash_jax.server.wire import new_id, now, sse
 from dflash_jax.server.worker import Job, Outcome
 
-UNSUPPORTED = {"tools": "tool calls are not implemented", "functions": "function calls are not implemented",
+UNSUPPORTED = {"functions": "the deprecated function calls are not implemented (send 'tools')",
+               "function_call": "the deprecated function calls are not implemented (send 'tool_choice')",
                "logprobs": "log probabilities are not implemented",
                "top_logprobs": "log probabilities are not implemented", "audio": "only text output is supported"}
 COMPLETION_UNSUPPORTED = {"echo": "echoing the prompt is not implemented", "suffix": "insertion is not implemented",
                           "logprobs": "log probabilities are not implemented"}
 FINISH = {"stop_token": "stop", "stop_sequence": "stop", "length": "length"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range of temperature
@@ -37,32 +43,128 @@ def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[
                       sampling=sampling(body, settings, MAX_TEMPERATURE), n=count(body))
 
 
+def _tools(body: dict) -> list[dict]:
+    """The request's `tools`, checked: functions with distinct names and an object schema of parameters."""
+    tools, names = field(body, "tools", list, []), set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise BadRequest(f"{where} must be an object of type 'function' with a 'function' object", "tools")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits or '_.:-', got {name!r}", "tools")
+        if name in names:
+            raise BadRequest(f"{where}.function.name {name!r} names an earlier tool too", "tools")
+        names.add(name)
+        if not isinstance(function.get("description", ""), str):
+            raise BadRequest(f"{where}.function.description must be a string", "tools")
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
+            raise BadRequest(f"{where}.function.parameters must be a JSON schema object whose 'properties' is an "
+                             "object", "tools")
+    return tools
+
+
+def _parses_calls(body: dict, tools: list[dict]) -> bool:
+    """Whether the reply is parsed for tool calls: with tools and tool_choice 'auto' (the default); 'none' renders
+    the tools but leaves the reply as text, as vLLM does; 'required' and a named function are refused."""
+    choice = field(body, "tool_choice", (str, dict), "auto")
+    if choice == "required" or isinstance(choice, dict):
+        raise BadRequest("tool_choice 'required' and a named function are not implemented yet (send 'auto' or "
+                         "'none')", "tool_choice")
+    if choice not in ("auto", "none"):
+        raise BadRequest(f"'tool_choice' must be 'auto', 'none', 'required' or a named function, got {choice!r}",
+                         "tool_choice")
+    if not field(body, "parallel_tool_calls", bool, True):
+        raise BadRequest("parallel_tool_calls false is not implemented (the model may make several calls)",
+                         "parallel_tool_calls")
+    parsed = choice == "auto" and bool(tools)
+    if parsed and field(body, "stream", bool, False):
+        raise BadRequest("streaming a reply that may call tools is not implemented yet (send stream false, or "
+                         "tool_choice 'none')", "stream")
+    return parsed
+
+
+def _past_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` as the template reads them: the arguments a JSON object, not a string."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where}.tool_calls must be an array", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRequest(f"{at}.function must be an object with a name", "messages")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"{at}.function.arguments must be a JSON object, as a string", "messages")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def _message(m: Any, where: str) -> dict:
+    """One chat message as the template reads it: role, text content, and an assistant's tool calls or a tool
+    result's call id."""
+    if not isinstance(m, dict):
+        raise BadRequest(f"{where} must be an object", "messages")
+    role, calls = m.get("role"), m.get("tool_calls")
+    if role not in ROLES:
+        raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"
+                         + (" (the deprecated 'function' role is not implemented: send 'tool')"
+                            if role == "function" else ""), "messages")
+    if calls and role != "assistant":
+        raise BadRequest(f"{where}.tool_calls: only an assistant message makes tool calls", "messages")
+    if m.get("content") is None and not calls:
+        raise BadRequest(f"{where}.content is required", "messages")
+    message = {"role": ROLES[role], "content": "" if m.get("content") is None else text_of(m["content"], where)}
+    if calls:
+        message["tool_calls"] = _past_calls(calls, where)
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"{where}.tool_call_id must be a string (the id of the call this answers)", "messages")
+        message["tool_call_id"] = m["tool_call_id"]
+    return message
+
+
+def _check_template(settings: Settings, tools: list[dict], messages: list[dict]) -> None:
+    """400 for tools or past tool calls that the model's chat template would drop without a word."""
+    template = settings.tokenizer.chat_template or ""
+    if tools and "tools" not in template:
+        raise BadRequest("'tools' need a chat template that renders them; this model's does not", "tools")
+    if any("tool_calls" in m for m in messages) and "tool_calls" not in template:
+        raise BadRequest("messages with tool_calls need a chat template that renders them; this model's does not",
+                         "messages")
+    if "tool_calls" in messages[-1]:
+        raise BadRequest("the last message makes tool calls: send their results (role 'tool') after it", "messages")
+
+
 def parse_chat(body: dict, settings: Settings) -> GenRequest:
     """A /v1/chat/completions body as a generation request (400 for anything the server cannot honour)."""
     refuse(body, UNSUPPORTED)
     _common(body)
-    messages = []
-    for i, m in enumerate(field(body, "messages", list)):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"{where} must be an object", "messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"
-                             + (" (tool calls are not implemented)" if role in ("tool", "function") else ""),
-                             "messages")
-        if m.get("tool_calls"):
-            raise BadRequest(f"{where} has tool_calls: tool calls are not implemented", "messages")
-        if m.get("content") is None:
-            raise BadRequest(f"{where}.content is required", "messages")
-        messages.append({"role": ROLES[role], "content": text_of(m["content"], where)})
+    tools = _tools(body)
+    parsed = _parses_calls(body, tools)
+    messages = [_message(m, f"messages[{i}]") for i, m in enumerate(field(body, "messages", list))]
+    if not messages:
+        raise BadRequest("'messages' must not be empty", "messages")
+    _check_template(settings, tools, messages)
     kwargs = field(body, "chat_template_kwargs", dict, {})
     thinking = kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise BadRequest("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
-    ids = chat_prompt(settings, messages, thinking)
-    return _request(body, ids, settings, ("max_completion_tokens", "max_tokens"),
-                    next_turn_prefix(settings, messages, ids, thinking))
+    ids = chat_prompt(settings, messages, thinking, tools)
+    request = _request(body, ids, settings, ("max_completion_tokens", "max_tokens"),
+                       next_turn_prefix(settings, messages, ids, thinking, tools))
+    if not parsed:
+        return request
+    return dataclasses.replace(request, tools={t["function"]["name"]: t["function"].get("parameters", {})
+                                               for t in tools})
 
 
 def parse_completion(body: dict, settings: Settings) -> GenRequest:
@@ -94,11 +196,22 @@ def usage(request: GenRequest, outcomes: Sequence[Outcome]) -> dict[str, Any]:
     return counts if request.sampling.greedy else {**counts, "seed": request.sampling.seed}
 
 
+def _chat_choice_of(index: int, job: Job, text: str) -> dict[str, Any]:
+    """One choice of a chat completion: the reply's text, or, when it calls offered tools, the text before the calls
+    (null if none) and the calls, finished by `tool_calls`."""
+    content, calls = parse(text, job.request.tools) if job.request.tools else (text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message = {"role": "assistant", "content": content or None,
+                   "tool_calls": [{"id": new_id("call_"), "type": "function",
+                                   "function": {"name": c.name, "arguments": arguments_json(c)}} for c in calls]}
+    return {"index": index, "message": message, "logprobs": None,
+            "finish_reason": "tool_calls" if calls else FINISH[job.outcome.finish]}
+
+
 def chat_response(jobs: Sequence[Job], texts: Sequence[str], settings: Settings) -> dict[str, Any]:
     return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(), "model": settings.model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": FINISH[job.outcome.finish]}
-                        for i, (job, text) in enumerate(zip(jobs, texts))],
+            "choices": [_chat_choice_of(i, job, text) for i, (job, text) in enumerate(zip(jobs, texts))],
             "usage": usage(jobs[0].request, [job.outcome for job in jobs])}
 
 

@@ -47,6 +47,7 @@ class GenRequest:
     history: int = 0  # leading ids the conversation's next turn repeats (`next_turn_prefix`): the worker marks them
     sampling: SamplingParams = GREEDY
     n: int = 1  # completions of the prompt, the i-th sampled with seed + i (`choices`)
+    tools: Mapping[str, Any] | None = None  # {name: parameters schema} of the tools whose calls the reply is parsed for
 
 
 def field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = _MISSING) -> Any:
@@ -170,21 +171,24 @@ def text_of(content: Any, where: str, text_types: Sequence[str] = ("text",)) -> 
     return "\n".join(texts)
 
 
-def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None) -> list[int]:
-    """Prompt ids of a conversation through the chat template; a last assistant message is continued, not closed."""
+def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None,
+                tools: Sequence[dict] | None = None) -> list[int]:
+    """Prompt ids of a conversation (and the tools offered) through the chat template; a last assistant message is
+    continued, not closed."""
     if not messages:
         raise BadRequest("'messages' must not be empty", "messages")
     thinking = settings.thinking if thinking is None else thinking
     prefill = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
     head = messages[:-1] if prefill is not None else messages
     try:
-        text = settings.tokenizer.render_chat(head, True, thinking) + (prefill or "")
+        text = settings.tokenizer.render_chat(head, True, thinking, tools) + (prefill or "")
     except TemplateError as e:
         raise BadRequest(str(e), "messages") from None
     return settings.tokenizer.encode(text)
 
 
-def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], thinking: bool | None = None) -> int:
+def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], thinking: bool | None = None,
+                     tools: Sequence[dict] | None = None) -> int:
     """How many leading ids of a chat prompt the conversation's next turn will repeat: the common prefix of the
     prompt and the template's rendering of these messages followed by a reply and a user message. That is not always
     the prompt and the reply: Qwen3.5's template opens the reply with an empty think block when thinking is off, but
@@ -194,7 +198,7 @@ def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], t
     head = messages[:-1] if prefill is not None else messages
     later = head + [{"role": "assistant", "content": (prefill or "") + "x"}, {"role": "user", "content": "x"}]
     try:
-        following = settings.tokenizer.encode(settings.tokenizer.render_chat(later, False, thinking))
+        following = settings.tokenizer.encode(settings.tokenizer.render_chat(later, False, thinking, tools))
     except TemplateError:  # a template that refuses the made-up turns: no reuse
         return 0
     return next((i for i, (a, b) in enumerate(zip(ids, following)) if a != b), min(len(ids), len(following)))
