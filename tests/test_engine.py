@@ -298,3 +298,10 @@ def test_two_kernel_configurations_in_one_process_give_their_own_results(tparams
     assert not np.array_equal(runs[0], runs[1])
     assert np.linalg.norm(runs[1] - runs[0]) / np.linalg.norm(runs[0]) < 2e-2
     assert int(np.argmax(runs[0])) == int(np.argmax(runs[1]))
+
+
+def test_state_bytes_counts_what_a_generation_allocates(tparams, random_drafters):
+    """The check against free memory (`generate`) counts, from shapes alone, the caches `start` then allocates."""
+    engine = Engine(TCFG, tparams, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX), *random_drafters["full"])
+    state, _ = engine.start(prompt(1), 4)
+    assert engine.state_bytes() == tree_bytes(state.target) + tree_bytes(state.draft)

@@ -24,7 +24,6 @@ _extend = jax.jit(lambda drafter, params, state, taps, n: drafter.extend(params,
                   static_argnums=(0,), donate_argnums=(2,))
 
 
-
 @jax.jit
 def _first_token(logits: jax.Array, position: jax.Array, sampling: Sampling | None) -> jax.Array:
     """The token a prompt's last logits [V] draw at absolute `position` (the step's rule, for one row)."""
@@ -97,14 +96,17 @@ class Engine:
         return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.kcfg), draft.params,
                    kcfg=target.kcfg)
 
-    def state_bytes(self) -> int:
-        """Bytes of the caches a generation allocates (the target's, with tree slack, and the drafter's), from their
-        shapes alone: nothing is allocated."""
+    def _empty_states(self):
+        """A fresh generation's (target state, drafter state or None). The target's has slack for the largest tree
+        in every mode: one cache shape per max_ctx, so switching mode or budget does not compile the prefill again."""
         kv_dtype = jnp.dtype(self.ecfg.kv_dtype)
-        shapes = jax.eval_shape(lambda: (
-            init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_dtype),
-            self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None))
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        return (init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_dtype),
+                self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None)
+
+    def state_bytes(self) -> int:
+        """Bytes of the caches a generation allocates (`_empty_states`), from their shapes alone: nothing is
+        allocated."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(self._empty_states)))
 
     def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
               after: DecodeState | None = None, keep_pending: bool = True,
@@ -144,14 +146,7 @@ class Engine:
             before = f"{committed} committed tokens + " if after is not None else ""
             raise InputError(f"{before}prompt of {len(ids)} tokens + {n_gen} to generate exceeds the context of "
                              f"{self.ecfg.max_ctx} tokens (raise max_ctx)")
-        kv_dtype = jnp.dtype(self.ecfg.kv_dtype)
-        if after is not None:
-            tstate, dstate = after.target, after.draft
-        else:
-            # slack for the largest tree in every mode: one cache shape per max_ctx, so switching mode or budget
-            # does not compile the prefill again
-            tstate = init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_dtype)
-            dstate = self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None
+        tstate, dstate = (after.target, after.draft) if after is not None else self._empty_states()
         mark = None
         if mark_at:
             logits, tstate, dstate = self._prefill(tstate, dstate, ids[:mark_at])
