@@ -4,7 +4,8 @@
 
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/messages and
 POST /v1/messages/count_tokens, streaming as server-sent events. Requests are served one at a time (batch 1) from a
-bounded queue; a request that extends the previous one's conversation continues from its state on the device.
+bounded queue; a request that extends the previous one's conversation continues from its state on the device, and
+one that extends an earlier snapshot (--prefix_cache_gb) from a copy of it.
 Requests may sample (temperature, top_p, top_k, min_p, seed; n choices); --temperature, --top_p, --top_k, --min_p
 and --seed are the defaults of requests that leave them out. Needs the `server` extra
 (`pip install "dflash-jax[server]"`).
@@ -17,6 +18,7 @@ import socket
 import sys
 from typing import Sequence
 
+from dflash_jax.defaults import free_memory
 from dflash_jax.engine.sampling import SamplingParams
 from dflash_jax.errors import run_main
 from dflash_jax.generate import UsageError, define_model_flags, engine_from_flags, parse_flags
@@ -56,6 +58,23 @@ def default_sampling(f) -> SamplingParams:
                           seed=0 if f.seed is None else f.seed)
 
 
+DEFAULT_PREFIX_CACHE_GB = 4.0  # about five snapshots of an 8K-token context of the 27B pair (0.8 GiB each)
+
+
+def prefix_cache_bytes(gb: float | None, state_bytes: int, free: int | None) -> int:
+    """The prefix cache's budget: --prefix_cache_gb GiB, refused if it does not fit the device's free memory beside a
+    context's caches (`state_bytes`); unset, the default or half of that room, whichever is less."""
+    room = None if free is None else max(free - state_bytes, 0)
+    if gb is None:
+        default = int(DEFAULT_PREFIX_CACHE_GB * 2**30)
+        return default if room is None else min(default, room // 2)
+    asked = int(gb * 2**30)
+    if room is not None and asked > room:
+        raise UsageError(f"--prefix_cache_gb {gb:g} does not fit: the device has {room / 2**30:.2f} GiB free beside a "
+                         "context's caches (lower --prefix_cache_gb or --max_ctx; 0 turns the cache off)")
+    return asked
+
+
 def run(argv: Sequence[str]) -> int:
     """Bind the address, load the pair, compile, serve until interrupted; returns the exit code."""
     from absl import flags
@@ -79,10 +98,13 @@ def run(argv: Sequence[str]) -> int:
             engine.generate([0], 2)
         settings = Settings(models.tokenizer, f.model_name or model_name(target_path), f.max_ctx,
                             models.target.config.vocab_size, f.n_gen, f.thinking, sampling, f.seed)
-        worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None)
+        cache = prefix_cache_bytes(f.prefix_cache_gb, engine.state_bytes(), free_memory())
+        worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None,
+                        prefix_cache_bytes=cache)
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         host = f"[{f.host}]" if ":" in f.host else f.host  # an IPv6 address
-        _log(f"{settings.model} ({f.mode}, context {f.max_ctx}) on http://{host}:{port}")
+        _log(f"{settings.model} ({f.mode}, context {f.max_ctx}, prefix cache {cache / 2**30:.2f} GiB) on "
+             f"http://{host}:{port}")
         config = uvicorn.Config(build_app(worker, settings), host=f.host, port=port, log_level="info",
                                 timeout_graceful_shutdown=5)
         try:
@@ -109,6 +131,9 @@ def define_flags() -> None:
     flags.DEFINE_string("model_name", None, "Model id that /v1/models lists and responses carry (default: the "
                         "target's file name).")
     flags.DEFINE_integer("max_queue", 16, "Requests that may wait while one runs; more get HTTP 429.", lower_bound=1)
+    flags.DEFINE_float("prefix_cache_gb", None, "GiB of device memory for snapshots of earlier prompts and replies, "
+                       "which later requests continue from (0: off, only the last request's state is reused; default: "
+                       f"{DEFAULT_PREFIX_CACHE_GB:g}, or half the free memory if less).", lower_bound=0)
     flags.DEFINE_boolean("warmup", True, "Compile before listening, so the first request does not wait for it.")
 
 

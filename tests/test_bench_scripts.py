@@ -52,6 +52,27 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
 
 
+def test_prefix_cache_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
+    """scripts/prefix_cache_bench.py with tiny settings: without the cache every request prefills its whole prompt;
+    with it the main conversation prefills only each turn's new ids (and the last reply's pending token), the side
+    requests only their own part; the replies are the same both ways."""
+    import prefix_cache_bench
+
+    out = tmp_path / "pc.json"
+    run_script(prefix_cache_bench, ["--model", "tiny", "--out", str(out), "--turns", "3", "--system", "100", "--user",
+                                    "20", "--reply", "4", "--side", "10", "--side_reply", "2", "--max_ctx", "256",
+                                    "--impl", "reference"])
+    res = json.loads(out.read_text())
+    assert res["device"] and res["jax"] and res["date"] and res["command"].startswith("python scripts/prefix_cache_bench.py --model tiny")
+    off, on = res["without_cache"], res["with_cache"]
+    assert [(r["turn"], r["request"]) for r in on] == [(t, k) for t in (1, 2, 3) for k in ("main", "side")]
+    assert all(r["prefilled"] == r["prompt"] and r["ttft_s"] > 0 for r in off)
+    assert [r["prompt"] for r in off] == [r["prompt"] for r in on] == [120, 110, 144, 110, 168, 110]
+    assert [r["prefilled"] for r in on] == [120, 10, 21, 10, 21, 10] and all(r["same_reply"] for r in on)
+    assert 0 < on[-1]["cache_bytes"] <= 4 * 2**30
+    assert (tmp_path / "pc.txt").read_text() in capsys.readouterr().out
+
+
 def test_bench_summary_of_long_contexts_alone():
     """`--sections long` runs no AR section: its table has the run's line and the contexts' steps, no step table."""
     import bench

@@ -55,6 +55,9 @@ class GatedEngine:
 
         return self.engine.generate(ids, n_gen, stop_ids, on_tokens if fault is None else failing, **kwargs)
 
+    def __getattr__(self, name):  # the rest (snapshot, restore) is the engine's own
+        return getattr(self.engine, name)
+
 
 class FaultyTokenizer:
     """The tokenizer requests are parsed with; a `fault` the test sets is raised by the next encode."""
@@ -74,10 +77,10 @@ class FaultyTokenizer:
 
 class Server:
     """The app over the fixture pair on 127.0.0.1 in a thread; `chat_template` replaces the fixture's own (which
-    ignores thinking) for the requests."""
+    ignores thinking) for the requests; a prefix cache of `prefix_cache_bytes` (0: none)."""
 
     def __init__(self, tiny_gguf_path, max_queue: int = MAX_QUEUE, chat_template: str | None = None,
-                 max_ctx: int = MAX_CTX):
+                 max_ctx: int = MAX_CTX, prefix_cache_bytes: int = 0):
         from dflash_jax.config import EngineConfig
         from dflash_jax.engine.generate import Engine
         from dflash_jax.load import load_draft, load_target
@@ -91,7 +94,8 @@ class Server:
         self.tok = load_tokenizer(tiny_gguf_path)
         self.engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=max_ctx))
         self.gated, self.logs = GatedEngine(self.engine), []
-        self.worker = Worker(self.gated, self.tok, max_queue, log=self.logs.append)
+        self.worker = Worker(self.gated, self.tok, max_queue, log=self.logs.append,
+                             prefix_cache_bytes=prefix_cache_bytes)
         tok = self.tok if chat_template is None else Tokenizer(self.tok.backend, self.tok.token_bytes, self.tok.special,
                                                                self.tok.eos_id, chat_template, self.tok.bos_token)
         self.parsing = FaultyTokenizer(tok)

@@ -13,7 +13,7 @@ import numpy as np
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
-from dflash_jax.engine.state import DecodeState, Mark, take_mark
+from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
@@ -45,6 +45,7 @@ class Generation:
     state: DecodeState | None = None  # the final state: pass it as `after` to continue the same conversation
     halted: bool = False  # on_tokens asked to stop: state is None, as the device had already run the next step
     mark: Mark | None = None  # with `mark_at`: the state after that many prompt ids, to `rewind` the final one to
+    snapshots: tuple[Snapshot, ...] = ()  # with `snapshot_at`: the state after each of those many prompt ids
 
     @property
     def steps(self) -> int:
@@ -116,8 +117,18 @@ class Engine:
         With `after` (a finished generation's state, which this consumes), the prompt continues that context: only
         the previous reply's last token, still pending, and the new ids are prefilled; with keep_pending False that
         last token is dropped (a chat replaces the stop token that ended a reply by its template's own)."""
-        state, first, _ = self._start(prompt_ids, n_gen, stop_ids, after, keep_pending, sampling=sampling)
+        state, first, _, _ = self._start(prompt_ids, n_gen, stop_ids, after, keep_pending, sampling=sampling)
         return state, first
+
+    def snapshot(self, state: DecodeState) -> Snapshot:
+        """A copy of a finished generation's state at its committed length (its pending token left out), to
+        `restore` later; the state itself stays usable."""
+        return take_snapshot(state.target, state.draft, int(state.target.length))
+
+    def restore(self, snapshot: Snapshot) -> DecodeState:
+        """A fresh state (this engine's context) holding what `snapshot` holds: continue it with `after=` and
+        `keep_pending=False`, which prefills only the ids past the snapshot's."""
+        return restore(snapshot, *self._empty_states())
 
     def _prefill(self, tstate, dstate, ids: np.ndarray):
         """Commit checked ids to the target's and the drafter's states: (last logits, target state, drafter state)."""
@@ -130,34 +141,40 @@ class Engine:
 
     def _start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int],
                after: DecodeState | None, keep_pending: bool, mark_at: int = 0,
-               sampling: SamplingParams = GREEDY) -> tuple[DecodeState, int, Mark | None]:
-        """`start`, and with mark_at > 0 a Mark of the state after the first mark_at prompt ids (the prompt is
-        then prefilled in two parts, split there)."""
+               sampling: SamplingParams = GREEDY, snapshot_at: Sequence[int] = ()
+               ) -> tuple[DecodeState, int, Mark | None, tuple[Snapshot, ...]]:
+        """`start`, and with mark_at > 0 a Mark of the state after the first mark_at prompt ids, with snapshot_at a
+        Snapshot after each of those many (the prompt is then prefilled in parts, split there)."""
         ids = check_tokens(self.tcfg, prompt_ids)
         if n_gen < 1:
             raise InputError(f"n_gen must be at least 1, got {n_gen}")
-        if not 0 <= mark_at <= len(ids):
-            raise ValueError(f"mark_at {mark_at} is outside the prompt of {len(ids)} ids")
+        for name, at in [("mark_at", mark_at)] + [("snapshot_at", at) for at in snapshot_at]:
+            if not 0 <= at <= len(ids):
+                raise ValueError(f"{name} {at} is outside the prompt of {len(ids)} ids")
         committed = int(after.target.length) if after is not None else 0
-        if after is not None and keep_pending:
+        shift = 1 if after is not None and keep_pending else 0  # the pending token goes first
+        if shift:
             ids = np.concatenate([np.asarray([int(after.root)], np.int32), ids])
-            mark_at += 1 if mark_at else 0
         if committed + len(ids) + n_gen > self.ecfg.max_ctx:
             before = f"{committed} committed tokens + " if after is not None else ""
             raise InputError(f"{before}prompt of {len(ids)} tokens + {n_gen} to generate exceeds the context of "
                              f"{self.ecfg.max_ctx} tokens (raise max_ctx)")
         tstate, dstate = (after.target, after.draft) if after is not None else self._empty_states()
-        mark = None
-        if mark_at:
-            logits, tstate, dstate = self._prefill(tstate, dstate, ids[:mark_at])
-            mark = take_mark(tstate)
-        if mark_at < len(ids):
-            logits, tstate, dstate = self._prefill(tstate, dstate, ids[mark_at:])
+        mark, snapshots = None, []
+        kept = {at + shift for at in (mark_at, *snapshot_at) if at}  # where a copy is taken, in ids
+        cuts = sorted(kept | {0, len(ids)})
+        for begin, end in zip(cuts, cuts[1:]):
+            logits, tstate, dstate = self._prefill(tstate, dstate, ids[begin:end])
+            if end in kept:
+                here = take_mark(tstate)
+                mark = here if end - shift == mark_at else mark
+                if end - shift in snapshot_at:
+                    snapshots.append(take_snapshot(tstate, dstate, committed + end, here))
         first = int(_first_token(logits, jnp.int32(committed + len(ids)), sampling.device()))
         done = first in stop_ids or n_gen == 1
         state = DecodeState(target=tstate, draft=dstate, root=jnp.int32(first), remaining=jnp.int32(n_gen - 1),
                             done=jnp.bool_(done))
-        return state, first, mark
+        return state, first, mark, tuple(snapshots)
 
     def stop_array(self, stop_ids: Sequence[int]) -> jax.Array:
         if len(stop_ids) > MAX_STOP_IDS:
@@ -166,21 +183,24 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
                  on_tokens: Callable[[list[int]], None] | None = None, after: DecodeState | None = None,
-                 keep_pending: bool = True, mark_at: int = 0, sampling: SamplingParams = GREEDY) -> Generation:
+                 keep_pending: bool = True, mark_at: int = 0, sampling: SamplingParams = GREEDY,
+                 snapshot_at: Sequence[int] = ()) -> Generation:
         """Generation of up to n_gen tokens (greedy, or sampled as `sampling` says), ending after a stop token;
         on_tokens streams them.
 
         on_tokens may return True to end the generation there (a stop string, a client gone); the result then has
         no state to continue from. `after` continues from a previous Generation's `state` (see `start`). mark_at > 0
         also gives the result a `mark` after that many prompt ids, which `state.rewind` sets the final state (or a
-        later one of the same context) back to."""
+        later one of the same context) back to; snapshot_at gives it a Snapshot after each of those many prompt ids,
+        which `restore` makes a new state of (they are taken even when the generation halts)."""
         self.stop_array(stop_ids)  # checked before any compute
         t0 = time.perf_counter()
-        state, first, mark = self._start(prompt_ids, n_gen, stop_ids, after, keep_pending, mark_at, sampling)
+        state, first, mark, snapshots = self._start(prompt_ids, n_gen, stop_ids, after, keep_pending, mark_at,
+                                                    sampling, snapshot_at)
         jax.block_until_ready(state)
         gen = self.decode(state, first, n_gen, stop_ids, on_tokens, prefill_s=time.perf_counter() - t0,
                           sampling=sampling)
-        return dataclasses.replace(gen, mark=mark)
+        return dataclasses.replace(gen, mark=mark, snapshots=snapshots)
 
     def decode(self, state: DecodeState, first: int, n_gen: int, stop_ids: Sequence[int] = (),
                on_tokens: Callable[[list[int]], None] | None = None, prefill_s: float = 0.0,

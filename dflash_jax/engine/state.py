@@ -1,10 +1,12 @@
 """The decode state: everything that carries from step to step, one pytree donated through every step (DESIGN.md
 "State"). The target's caches are `models.target.TargetState`, the drafter's its own (`models.draft.DraftState` for
-DFlash)."""
+DFlash). A Mark (the recurrent part) or a Snapshot (the whole context, copied) keeps a point of a state's past to go
+back to."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -50,3 +52,67 @@ def rewind(state: DecodeState, mark: Mark) -> DecodeState:
                                  length=jnp.copy(mark.length))
     draft = None if state.draft is None else dataclasses.replace(state.draft, length=jnp.copy(mark.length))
     return DecodeState(target=target, draft=draft, root=state.root, remaining=jnp.int32(0), done=jnp.bool_(True))
+
+
+PAGE = 256  # a snapshot copies the attention caches' rows in pages of this many slots: one compiled copy per cache
+# shape serves every length, where a copy of exactly the used rows would compile once per length
+
+
+@jax.jit
+def _take_page(caches: tuple[jax.Array, ...], start: jax.Array, length: jax.Array) -> tuple[jax.Array, ...]:
+    """Slots start..start+PAGE of each cache [layers, slots, kv_heads, head_dim], those from `length` on (or past the
+    cache's end) zero."""
+    rows = start + jnp.arange(PAGE)
+    return tuple(jnp.take(c, jnp.where(rows < length, rows, c.shape[1]), axis=1, mode="fill", fill_value=0)
+                 for c in caches)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_page(caches: tuple[jax.Array, ...], page: tuple[jax.Array, ...], start: jax.Array) -> tuple[jax.Array, ...]:
+    """The caches with a page written at slots start..start+PAGE (slots past a cache's end dropped); in place."""
+    rows = start + jnp.arange(PAGE)
+    return tuple(c.at[:, rows].set(p, mode="drop") for c, p in zip(caches, page))
+
+
+def _attention_caches(target: TargetState, draft: Any) -> tuple[jax.Array, ...]:
+    return (target.k, target.v) + (() if draft is None else (draft.k, draft.v))
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A decode state after its first `length` committed tokens, copied apart from it to resume there later (the
+    state itself goes on): its recurrent part (a Mark) and the attention caches' rows of those tokens, the target's
+    and the drafter's, in pages of PAGE slots (the last one zero past the length)."""
+
+    length: int
+    mark: Mark
+    pages: tuple[tuple[jax.Array, ...], ...]  # per page: target k, v (and drafter k, v) [layers, PAGE, kv_heads, hd]
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the snapshot holds (its mark's included)."""
+        return sum(x.nbytes for x in jax.tree.leaves((self.mark, self.pages)))
+
+
+def take_snapshot(target: TargetState, draft: Any, length: int, mark: Mark | None = None) -> Snapshot:
+    """A Snapshot of a state whose committed length is `length` (given by the host, which knows it: reading the
+    device's would wait for the prefill in flight); `mark`, if given, is a Mark of that same state."""
+    caches = _attention_caches(target, draft)
+    pages = tuple(_take_page(caches, jnp.int32(start), jnp.int32(length)) for start in range(0, length, PAGE))
+    return Snapshot(length, take_mark(target) if mark is None else mark, pages)
+
+
+def restore(snapshot: Snapshot, target: TargetState, draft: Any) -> DecodeState:
+    """A state holding what `snapshot` holds, written into empty states (consumed); the snapshot stays usable.
+    Nothing is pending: continue it with `keep_pending=False`."""
+    if snapshot.length > min(c.shape[1] for c in _attention_caches(target, draft)):
+        raise ValueError(f"a snapshot of {snapshot.length} tokens does not fit caches of {target.slots} slots")
+    caches = _attention_caches(target, draft)
+    for i, page in enumerate(snapshot.pages):
+        caches = _put_page(caches, page, jnp.int32(i * PAGE))
+    mark = snapshot.mark
+    target = dataclasses.replace(target, k=caches[0], v=caches[1], conv=jnp.copy(mark.conv), ssm=jnp.copy(mark.ssm),
+                                 length=jnp.copy(mark.length))
+    if draft is not None:
+        draft = dataclasses.replace(draft, k=caches[2], v=caches[3], length=jnp.copy(mark.length))
+    return DecodeState(target=target, draft=draft, root=jnp.int32(0), remaining=jnp.int32(0), done=jnp.bool_(True))

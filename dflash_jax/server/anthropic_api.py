@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Sequence
 
-from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, field, max_tokens,
-                                       next_turn_prefix, refuse, sampling, stop_strings, text_of)
+from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, conversation_prefix, field,
+                                       max_tokens, next_turn_prefix, refuse, sampling, stop_strings, text_of)
 from dflash_jax.server.wire import new_id, sse
 from dflash_jax.server.worker import Job
 
@@ -47,7 +47,8 @@ def parse_messages(body: dict, settings: Settings) -> GenRequest:
     ids = chat_prompt(settings, messages)
     limit = max_tokens(field(body, "max_tokens", int), len(ids), settings)
     return GenRequest(ids, limit, stop_strings(body, "stop_sequences"), field(body, "stream", bool, False),
-                      history=next_turn_prefix(settings, messages, ids), sampling=sampled)
+                      history=next_turn_prefix(settings, messages, ids),
+                      shared=conversation_prefix(settings, messages, ids), sampling=sampled)
 
 
 def _usage(job: Job) -> dict[str, int]:

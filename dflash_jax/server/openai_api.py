@@ -7,8 +7,8 @@ import json
 import re
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, count, field, max_tokens,
-                                       next_turn_prefix, refuse, sampling, stop_strings, text_of)
+from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, conversation_prefix, count, field,
+                                       max_tokens, next_turn_prefix, refuse, sampling, stop_strings, text_of)
 from dflash_jax.server.tool_calls import arguments_json, parse
 from dflash_jax.server.wire import new_id, now, sse
 from dflash_jax.server.worker import Job, Outcome
@@ -34,13 +34,13 @@ def _common(body: dict) -> None:
 
 
 def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[str, ...],
-             history: int = 0) -> GenRequest:
+             history: int = 0, shared: int = 0) -> GenRequest:
     name = next((n for n in limit_names if body.get(n) is not None), limit_names[-1])
     limit = field(body, name, int, None)
     options = field(body, "stream_options", dict, {})
     return GenRequest(ids, max_tokens(limit, len(ids), settings, name), stop_strings(body, "stop"),
                       field(body, "stream", bool, False), bool(options.get("include_usage")), history=history,
-                      sampling=sampling(body, settings, MAX_TEMPERATURE), n=count(body))
+                      shared=shared, sampling=sampling(body, settings, MAX_TEMPERATURE), n=count(body))
 
 
 def _tools(body: dict) -> list[dict]:
@@ -160,7 +160,8 @@ def parse_chat(body: dict, settings: Settings) -> GenRequest:
         raise BadRequest("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
     ids = chat_prompt(settings, messages, thinking, tools)
     request = _request(body, ids, settings, ("max_completion_tokens", "max_tokens"),
-                       next_turn_prefix(settings, messages, ids, thinking, tools))
+                       next_turn_prefix(settings, messages, ids, thinking, tools),
+                       conversation_prefix(settings, messages, ids, thinking, tools))
     if not parsed:
         return request
     return dataclasses.replace(request, tools={t["function"]["name"]: t["function"].get("parameters", {})

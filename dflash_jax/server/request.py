@@ -45,6 +45,8 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage: a last chunk with the token counts
     history: int = 0  # leading ids the conversation's next turn repeats (`next_turn_prefix`): the worker marks them
+    shared: int = 0  # leading ids another conversation with the same system messages and tools repeats
+    # (`conversation_prefix`): the worker's prefix cache keeps a snapshot there
     sampling: SamplingParams = GREEDY
     n: int = 1  # completions of the prompt, the i-th sampled with seed + i (`choices`)
     tools: Mapping[str, Any] | None = None  # {name: parameters schema} of the tools whose calls the reply is parsed for
@@ -187,6 +189,11 @@ def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None 
     return settings.tokenizer.encode(text)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], thinking: bool | None = None,
                      tools: Sequence[dict] | None = None) -> int:
     """How many leading ids of a chat prompt the conversation's next turn will repeat: the common prefix of the
@@ -201,7 +208,31 @@ def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], t
         following = settings.tokenizer.encode(settings.tokenizer.render_chat(later, False, thinking, tools))
     except TemplateError:  # a template that refuses the made-up turns: no reuse
         return 0
-    return next((i for i, (a, b) in enumerate(zip(ids, following)) if a != b), min(len(ids), len(following)))
+    return common_prefix(ids, following)
+
+
+def conversation_prefix(settings: Settings, messages: list[dict], ids: list[int], thinking: bool | None = None,
+                        tools: Sequence[dict] | None = None) -> int:
+    """How many leading ids of a chat prompt another conversation with the same system messages and tools will
+    repeat: the common prefix of the prompt and the template's renderings of those followed by two different user
+    messages (0 when there are neither system messages nor tools: nothing but the template's own tokens is shared)."""
+    system = []
+    for m in messages:
+        if m["role"] != "system":
+            break
+        system.append(m)
+    if not system and not tools:
+        return 0
+    thinking = settings.thinking if thinking is None else thinking
+    shared = len(ids)
+    for text in ("x", "y"):
+        try:
+            other = settings.tokenizer.encode(settings.tokenizer.render_chat(
+                system + [{"role": "user", "content": text}], False, thinking, tools))
+        except TemplateError:  # a template that refuses the made-up turn: no snapshot there
+            return 0
+        shared = min(shared, common_prefix(ids, other))
+    return shared
 
 
 def max_tokens(value: int | None, n_prompt: int, settings: Settings, name: str = "max_tokens") -> int:

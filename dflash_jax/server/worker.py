@@ -1,4 +1,5 @@
-"""One thread owns the engine and serves queued requests one at a time, streaming text back to the event loop."""
+"""One thread owns the engine and serves queued requests one at a time, streaming text back to the event loop; it
+keeps the last request's state to continue and, with a prefix cache, snapshots of earlier ones."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
-from dflash_jax.engine.state import Mark, rewind
+from dflash_jax.engine.state import DecodeState, Mark, rewind
 from dflash_jax.errors import InputError
+from dflash_jax.server.prefix_cache import PrefixCache
 from dflash_jax.server.request import GenRequest
 from dflash_jax.server.stops import StopMatcher
 from dflash_jax.server.wire import internal_error
@@ -39,7 +41,7 @@ class Outcome:
 
     finish: str
     completion_tokens: int
-    cached_tokens: int  # prompt tokens not prefilled again: they extended the previous request's state
+    cached_tokens: int  # prompt tokens not prefilled again: the last request's state or a snapshot held them
     matched: str | None = None
     error: GenerationFailed | None = None
 
@@ -84,12 +86,14 @@ class Job:
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What the worker keeps of the last request for the next: the ids its state holds (the last one still pending),
-    that state, and a mark of it after its first `marked` ids, where the conversation's next turn will part from it."""
+    that state, a mark of it after its first `marked` ids, where the conversation's next turn will part from it, and
+    whether that turn may extend all of its ids (not when the template renders the reply otherwise in the history)."""
 
     ids: list[int]
-    state: object  # engine.state.DecodeState
+    state: DecodeState
     marked: int = 0
     mark: Mark | None = None
+    resumable: bool = True
 
 
 def _extends(ids: list[int], prefix: list[int]) -> bool:
@@ -97,12 +101,15 @@ def _extends(ids: list[int], prefix: list[int]) -> bool:
 
 
 class Worker:
-    """The engine's only user: a bounded queue of jobs, and the state of the last conversation for prefix reuse."""
+    """The engine's only user: a bounded queue of jobs, the state of the last conversation, and a prefix cache of
+    `prefix_cache_bytes` (0: none; only the last state is reused)."""
 
-    def __init__(self, engine, tokenizer: Tokenizer, max_queue: int, log: Callable[[str], None] = lambda _: None):
+    def __init__(self, engine, tokenizer: Tokenizer, max_queue: int, log: Callable[[str], None] = lambda _: None,
+                 prefix_cache_bytes: int = 0):
         self.engine, self.tokenizer, self.log = engine, tokenizer, log
         self._queue: queue.Queue = queue.Queue(max_queue)
         self._context: Context | None = None
+        self.cache = PrefixCache(prefix_cache_bytes)
         self._thread = threading.Thread(target=self._serve, name="dflash-worker", daemon=True)
         self._thread.start()
 
@@ -152,33 +159,54 @@ class Worker:
         job.put(outcome)
         return True
 
-    def _reuse(self, ids: list[int]) -> tuple[Context | None, int, bool]:
-        """What this prompt continues of the last request's context: (that context or None, how many leading ids
-        it covers, whether that is its whole state rather than its mark). The context is taken either way
-        (consumed, or freed before a new one is made)."""
+    def _reuse(self, ids: list[int]) -> tuple[DecodeState | None, int, bool, Context | None]:
+        """Where this prompt starts: (the state to continue, None for a fresh one; how many leading ids it holds;
+        whether its pending token is kept; the context it goes on from, whose mark then still holds). Whichever
+        holds more of the prompt: the last request's state (whole, else set back to its mark), free, or a snapshot
+        of the cache, copied. The last context is taken either way: continued, or kept as a snapshot (with a
+        cache) and freed before a snapshot's state is made."""
         ctx, self._context = self._context, None
-        if ctx is not None and _extends(ids, ctx.ids):
-            return ctx, len(ctx.ids), True
-        if ctx is not None and ctx.mark is not None and _extends(ids, ctx.ids[:ctx.marked]):
-            return ctx, ctx.marked, False
-        return None, 0, True
+        whole = ctx is not None and _extends(ids, ctx.ids)
+        marked = ctx is not None and ctx.mark is not None and _extends(ids, ctx.ids[:ctx.marked])
+        held = len(ctx.ids) - 1 if whole else ctx.marked if marked else 0  # the pending token is prefilled again
+        snapshot = self.cache.lookup(ids, longer_than=held)
+        if whole and snapshot is None:
+            return ctx.state, len(ctx.ids), True, ctx
+        if marked and snapshot is None:
+            return rewind(ctx.state, ctx.mark), ctx.marked, False, ctx
+        if ctx is not None and not (whole or marked) and ctx.resumable and self.cache.enabled \
+                and ctx.ids[:-1] not in self.cache:  # another conversation: keep where this one's reply ended
+            self.cache.add(ctx.ids[:-1], self.engine.snapshot(ctx.state))
+        ctx = None  # its caches are freed before the snapshot's are copied in
+        if snapshot is not None:
+            return self.engine.restore(snapshot), snapshot.length, False, None
+        return None, 0, True, None
+
+    def _snapshot_points(self, request: GenRequest, start: int) -> list[int]:
+        """Where to snapshot this prompt, counted from `start`: where another conversation with the same system
+        messages parts from it, and where its own next turn does, past `start` and not in the cache already."""
+        if not self.cache.enabled:
+            return []
+        points = {p for p in (request.shared, request.history) if start < p <= len(request.ids)}
+        return sorted(p - start for p in points if request.ids[:p] not in self.cache)
 
     @staticmethod
     def _next_context(request: GenRequest, gen, previous: Context | None) -> Context:
         """The context a finished generation leaves: marked where its conversation's next turn will part from it,
         else where the previous mark was (the state went on from that context, so the mark still holds)."""
         ids = request.ids + gen.tokens
+        resumable = not 0 < request.history < len(request.ids)  # else the next turn parts inside the prompt
         if gen.mark is not None:
-            return Context(ids, gen.state, request.history, gen.mark)
+            return Context(ids, gen.state, request.history, gen.mark, resumable)
         if previous is not None:
-            return Context(ids, gen.state, previous.marked, previous.mark)
-        return Context(ids, gen.state)
+            return Context(ids, gen.state, previous.marked, previous.mark, resumable)
+        return Context(ids, gen.state, resumable=resumable)
 
     def _run(self, job: Job) -> Outcome:
         request, tok = job.request, self.tokenizer
-        ctx, start, whole = self._reuse(request.ids)
-        after = None if ctx is None else ctx.state if whole else rewind(ctx.state, ctx.mark)
-        reused = start - 1 if ctx is not None and whole else start  # a whole state's pending token is prefilled
+        t0 = time.perf_counter()
+        after, start, whole, ctx = self._reuse(request.ids)  # a snapshot copied in counts as prefill time
+        reused = start - 1 if after is not None and whole else start  # a whole state's pending token is prefilled
         decoder, matcher = tok.stream(skip_stops=True), StopMatcher(request.stops)
 
         def on_tokens(new: list[int]) -> bool:
@@ -189,10 +217,12 @@ class Worker:
                 job.put(text)
             return matcher.matched is not None
 
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         gen = self.engine.generate(request.ids[start:], request.max_tokens, tok.stop_ids, on_tokens, after=after,
                                    keep_pending=whole, mark_at=max(request.history - start, 0),
-                                   sampling=request.sampling)
+                                   sampling=request.sampling, snapshot_at=self._snapshot_points(request, start))
+        for snapshot in gen.snapshots:
+            self.cache.add(request.ids[:snapshot.length], snapshot)
         if not gen.halted:
             tail = matcher.push(decoder.flush()) + matcher.flush()
             if tail:
@@ -201,9 +231,11 @@ class Worker:
             self._context = self._next_context(request, gen, ctx)
         finish = ("cancelled" if job.cancelled else "stop_sequence" if matcher.matched is not None
                   else "stop_token" if gen.stopped else "length")
-        decode_s = time.perf_counter() - t0 - gen.prefill_s
+        prefill_s = t1 - t0 + gen.prefill_s
+        decode_s = time.perf_counter() - t0 - prefill_s
         self.log(f"{len(request.ids)} prompt tokens ({reused} reused, {len(request.ids) - reused} prefilled in "
-                 f"{gen.prefill_s:.2f} s) + {len(gen.tokens)} generated in {decode_s:.2f} s, acceptance length "
+                 f"{prefill_s:.2f} s) + {len(gen.tokens)} generated in {decode_s:.2f} s, acceptance length "
                  f"{gen.mean_accept_length:.2f}, {gen.decode_tokens_per_s:.1f} tok/s, {request.sampling.describe()}; "
-                 f"{finish}")
+                 f"{finish}" + (f"; prefix cache {len(self.cache)} snapshots, {self.cache.nbytes / 2**20:.1f} MiB"
+                                 if self.cache.enabled else ""))
         return Outcome(finish, len(gen.tokens), reused, matcher.matched)

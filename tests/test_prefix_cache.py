@@ -1,0 +1,274 @@
+"""The prefix cache: snapshots of decode states that later prompts continue from. The cache's lookup and eviction
+alone; snapshots restored bit for bit, and a run from one equal to a fresh run (greedy and sampled); the server with
+the real `openai` and `anthropic` clients: conversations that share a system prompt, a conversation that comes back
+after another, eviction under a small budget; serve's budget flag."""
+
+import numpy as np
+import openai
+import pytest
+
+from dflash_jax.config import EngineConfig
+from dflash_jax.engine.generate import Engine
+from dflash_jax.engine.sampling import SamplingParams
+from dflash_jax.engine.state import PAGE, Mark, Snapshot
+from dflash_jax.generate import UsageError
+from dflash_jax.serve import prefix_cache_bytes
+from dflash_jax.server.prefix_cache import PrefixCache
+from test_engine import TCFG, random_drafters, tparams  # noqa: F401 (fixtures)
+from test_server import Server, claude, oai  # noqa: F401 (fixtures, on this module's server)
+
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cache alone
+
+
+def fake_snapshot(length: int, nbytes: int) -> Snapshot:
+    """A snapshot of `length` ids holding `nbytes` bytes (a 4-byte length, the rest in its conv state; host arrays,
+    which the cache counts as it counts device ones)."""
+    mark = Mark(conv=np.zeros((nbytes - 4) // 4, np.float32), ssm=np.zeros(0, np.float32), length=np.int32(length))
+    return Snapshot(length, mark, ())
+
+
+def test_lookup_takes_the_longest_snapshot_that_is_a_strict_prefix():
+    cache = PrefixCache(10_000)
+    for ids in ([1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 9, 9]):
+        assert cache.add(ids, fake_snapshot(len(ids), 100))
+    assert cache.lookup([1, 2, 3, 4, 5, 7]).length == 4
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 0]).length == 6
+    assert cache.lookup([1, 2, 3, 4, 5, 6]).length == 4  # not the whole prompt: its last id must run
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 0], longer_than=6) is None  # the live state holds as much
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 0], longer_than=3).length == 6
+    assert cache.lookup([1, 9, 9, 9]).length == 3 and cache.lookup([2, 1, 2, 3]) is None
+    assert cache.lookup([1]) is None and [1, 2, 3, 4] in cache and [1, 2, 3] not in cache
+    with pytest.raises(ValueError, match="a snapshot of 3 tokens filed under 2 ids"):
+        cache.add([5, 6], fake_snapshot(3, 100))
+
+
+def test_the_least_recently_used_go_first_and_the_bytes_stay_within_the_budget():
+    cache = PrefixCache(1000)
+    for i in range(3):
+        assert cache.add([i] * 5, fake_snapshot(5, 300))
+    assert cache.nbytes == 900 and len(cache) == 3
+    assert cache.lookup([0] * 6).length == 5  # a use: [0]*5 is now the most recent
+    assert cache.add([7] * 5, fake_snapshot(5, 300))  # 1200 > 1000: the least recently used, [1]*5, goes
+    assert cache.keys() == [(2,) * 5, (0,) * 5, (7,) * 5] and cache.nbytes == 900
+    assert cache.add([8] * 5, fake_snapshot(5, 700))  # two must go for it
+    assert cache.keys() == [(7,) * 5, (8,) * 5] and cache.nbytes == 1000
+    assert not cache.add([9] * 5, fake_snapshot(5, 1004))  # larger than the budget: not kept, nothing dropped
+    assert cache.keys() == [(7,) * 5, (8,) * 5]
+    assert cache.add([7] * 5, fake_snapshot(5, 100))  # the same ids: replaced, now the most recent
+    assert cache.keys() == [(8,) * 5, (7,) * 5] and cache.nbytes == 800
+    rng, sizes = np.random.default_rng(0), {(8,) * 5: 700, (7,) * 5: 100}
+    for _ in range(200):
+        ids, size = tuple(rng.integers(0, 3, int(rng.integers(1, 6))).tolist()), int(rng.integers(1, 250)) * 4 + 4
+        assert cache.add(ids, fake_snapshot(len(ids), size)) and cache.keys()[-1] == ids
+        sizes[ids] = size
+        assert cache.nbytes == sum(sizes[k] for k in cache.keys()) <= 1000
+    assert not PrefixCache(0).enabled and not PrefixCache(0).add([1], fake_snapshot(1, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Snapshots of the engine's state
+
+CTX = 640  # room for prompts over a page of PAGE slots
+
+
+def engine_for(mode, tparams, random_drafters):
+    ecfg = EngineConfig(mode=mode, budget=8, topk=4, max_ctx=CTX)
+    return Engine(TCFG, tparams, ecfg, *random_drafters["full"]) if mode != "ar" else Engine(TCFG, tparams, ecfg)
+
+
+def held(state) -> dict:
+    """What a later step reads of a state's caches: the target's and the drafter's (if any) slots below the committed
+    length, the recurrent state and the lengths."""
+    t, n = state.target, int(state.target.length)
+    out = dict(k=t.k[:, :n], v=t.v[:, :n], conv=t.conv, ssm=t.ssm, length=t.length)
+    if state.draft is not None:
+        d, m = state.draft, int(state.draft.length)
+        out.update(dk=d.k[:, :m], dv=d.v[:, :m], dlength=d.length)
+    return {name: np.asarray(x) for name, x in out.items()}
+
+
+def assert_same(got, want):
+    """`held` of two states is equal bit for bit."""
+    got, want = held(got), held(want)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def ids_of(seed, n):
+    return np.random.default_rng(seed).integers(10, TCFG.vocab_size, n)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_a_snapshot_restores_the_state_bit_for_bit(tparams, random_drafters, mode):
+    """Snapshots inside a prompt (one page, and two with the second partly used) and at a reply's end hold exactly the
+    state at their point, cost the rows they hold, and a state restored from one is zero past its length."""
+    assert PAGE == 256
+    engine = engine_for(mode, tparams, random_drafters)
+    ids = ids_of(1, 300)
+    gen = engine.generate(ids, 8, snapshot_at=(100, 300), mark_at=100)
+    short, long = gen.snapshots
+    assert (short.length, long.length) == (100, 300) and short.mark is gen.mark and len(long.pages) == 2
+    empty = engine.restore(short)
+    row_bytes = sum(c.nbytes // c.shape[1] for c in (empty.target.k, empty.target.v) + (
+        () if mode == "ar" else (empty.draft.k, empty.draft.v)))
+    for snap, pages in ((short, 1), (long, 2)):
+        assert snap.nbytes == gen.mark.conv.nbytes + gen.mark.ssm.nbytes + 4 + pages * PAGE * row_bytes
+    assert_same(engine.restore(short), engine.start(ids[:100], 1)[0])
+    split = engine.generate(ids, 1, mark_at=100).state  # prefilled in the same two parts
+    restored = engine.restore(long)
+    assert_same(restored, split)
+    assert not np.asarray(restored.target.k[:, 300:]).any() and not np.asarray(restored.target.v[:, 300:]).any()
+    end = engine.snapshot(gen.state)
+    assert end.length == 300 + 7  # the last generated token is pending, not committed
+    assert_same(engine.restore(end), gen.state)
+    with pytest.raises(ValueError, match="snapshot_at 301 is outside the prompt of 300 ids"):
+        engine.generate(ids, 2, snapshot_at=(301,))
+
+
+@pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "sampled"])
+def test_a_run_from_a_snapshot_says_what_a_fresh_run_says(tparams, random_drafters, sampling):
+    """A prompt that parts from an earlier one after its snapshot prefills only the rest, to the state a fresh prefill
+    gives (the drafter's context cache too; to float rounding: the chunks split elsewhere), and generates what a fresh
+    run generates, greedy or sampled (the noise is drawn by absolute position)."""
+    engine = engine_for("ddtree", tparams, random_drafters)
+    sampling = sampling or SamplingParams()
+    first = ids_of(2, 150)
+    gen = engine.generate(first, 6, snapshot_at=(90,), sampling=sampling)
+    snap, = gen.snapshots
+    for tail in (ids_of(3, 40), ids_of(4, 7)):  # the snapshot stays usable
+        ids = np.concatenate([first[:90], tail])
+        state, token = engine.start(tail, 8, after=engine.restore(snap), keep_pending=False, sampling=sampling)
+        fresh, fresh_token = engine.start(ids, 8, sampling=sampling)
+        got, want = held(state), held(fresh)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4, err_msg=name)
+        assert engine.decode(state, token, 8, sampling=sampling).tokens == engine.decode(
+            fresh, fresh_token, 8, sampling=sampling).tokens
+    end = engine.snapshot(gen.state)  # the reply's end: the next turn brings the pending token back
+    more = np.concatenate([[gen.tokens[-1]], ids_of(5, 20)])
+    resumed = engine.generate(more, 8, after=engine.restore(end), keep_pending=False, sampling=sampling)
+    whole = np.concatenate([first, gen.tokens[:-1], more])
+    assert resumed.tokens == engine.generate(whole, 8, sampling=sampling).tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server's prefix cache, through the clients
+
+SERVER_CTX = 512
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf_path):
+    srv = Server(tiny_gguf_path, max_ctx=SERVER_CTX, prefix_cache_bytes=2**30)
+    yield srv
+    srv.close()
+
+
+def system_prompt(topic: str) -> str:
+    """A system prompt of over a hundred tokens of the fixture's vocabulary, its own per topic."""
+    return f"You are a careful assistant for {topic}. " + "Answer briefly, check each step, say what you assume. " * 3
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
+def cached(response) -> int:
+    return response.usage.prompt_tokens_details.cached_tokens
+
+
+def test_conversations_sharing_a_system_prompt_prefill_only_their_own_part(server, oai, claude):
+    """The first conversation leaves a snapshot where its system turn ends; the next ones (OpenAI, Anthropic) continue
+    from it, prefill only their own messages, and answer what a fresh run answers."""
+    system = system_prompt("sorting")
+    convs = [[{"role": "system", "content": system}, {"role": "user", "content": text}]
+             for text in ("Write a merge sort.", "Explain quicksort.", "Name a stable sort.")]
+    ids = [server.chat_ids(c) for c in convs]
+    common = shared_prefix(ids[0], ids[1])
+    assert common == shared_prefix(ids[0], ids[2]) > 100  # the system turn and the user turn's opening
+    first = oai.chat.completions.create(model="tiny", messages=convs[0], max_tokens=6)
+    assert first.choices[0].message.content == server.expect(ids[0], 6)[0] and cached(first) == 0
+    second = oai.chat.completions.create(model="tiny", messages=convs[1], max_tokens=6)
+    assert second.choices[0].message.content == server.expect(ids[1], 6)[0] and cached(second) == common
+    assert f"{len(ids[1])} prompt tokens ({common} reused, {len(ids[1]) - common} prefilled" in server.logs[-1]
+    third = claude.messages.create(model="tiny", system=system, messages=convs[2][1:], max_tokens=6)
+    assert third.content[0].text == server.expect(ids[2], 6)[0]
+    assert third.usage.cache_read_input_tokens == common and third.usage.input_tokens == len(ids[2]) - common
+
+
+@pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "sampled"])
+def test_a_conversation_comes_back_after_another_to_its_snapshot(server, oai, sampling):
+    """A's first turn, then another conversation, then A's next turn: A continues from the snapshot at its reply's end
+    when the reply encodes back to the tokens generated, else from the one at its prompt's end, and answers what a
+    fresh run answers, greedy or sampled with a seed."""
+    extra = {} if sampling is None else dict(temperature=SAMPLED.temperature, top_p=SAMPLED.top_p, seed=SAMPLED.seed)
+    turn1 = [{"role": "system", "content": system_prompt(f"stacks, {sampling is None}")},
+             {"role": "user", "content": "Write a stack."}]
+    ids1 = server.chat_ids(turn1)
+    want, tokens = server.expect(ids1, 6, sampling)
+    reply = oai.chat.completions.create(model="tiny", messages=turn1, max_tokens=6, **extra).choices[0].message.content
+    assert reply == want
+    other = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there."}],
+                                        max_tokens=4)
+    assert cached(other) == 0
+    turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Now a queue."}]
+    ids2 = server.chat_ids(turn2)
+    again = oai.chat.completions.create(model="tiny", messages=turn2, max_tokens=6, **extra)
+    assert again.choices[0].message.content == server.expect(ids2, 6, sampling)[0]
+    round_trip = server.tok.encode(reply) == [t for t in tokens if t not in server.tok.stop_ids]
+    assert cached(again) == (len(ids1) + len(tokens) - 1 if round_trip else len(ids1))
+
+
+def test_a_completion_comes_back_to_where_its_reply_ended(server, oai):
+    """Token ids that extend an earlier prompt and its completion continue from that completion's end, kept when
+    another prompt took the device's state."""
+    prompt = server.tok.encode("class Queue:\n")
+    want, tokens = server.expect(prompt, 6)
+    assert oai.completions.create(model="tiny", prompt=prompt, max_tokens=6).choices[0].text == want
+    assert cached(oai.completions.create(model="tiny", prompt=server.tok.encode("import os\n"), max_tokens=4)) == 0
+    longer = prompt + tokens + server.tok.encode("    def put(self, x):")
+    r = oai.completions.create(model="tiny", prompt=longer, max_tokens=6)
+    assert r.choices[0].text == server.expect(longer, 6)[0] and cached(r) == len(prompt) + len(tokens) - 1
+
+
+def test_snapshots_are_evicted_least_recently_used_first_within_the_budget(server, tiny_gguf_path, oai):
+    """With room for two snapshots, the one used longest ago goes first; a prompt whose snapshot went is prefilled
+    afresh, one whose snapshot stayed is not; the bytes never pass the budget."""
+    size = server.engine.snapshot(server.engine.start([1, 2, 3], 1)[0]).nbytes  # any snapshot of one page
+    small = Server(tiny_gguf_path, max_ctx=SERVER_CTX, prefix_cache_bytes=size * 5 // 2)
+    try:
+        client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
+        cache, ends = small.worker.cache, []
+
+        def complete(ids):
+            r = client.completions.create(model="tiny", prompt=ids, max_tokens=4)
+            assert r.choices[0].text == small.expect(ids, 4)[0] and cache.nbytes <= cache.budget
+            return cached(r)
+
+        prompts = [small.tok.encode(f"def function_{i}(x):") for i in range(4)]
+        for p in prompts:  # each request's state is kept at its completion's end when the next one takes over
+            assert complete(p) == 0
+            ends.append(tuple(p + small.expect(p, 4)[1][:-1]))
+        assert cache.keys() == [ends[1], ends[2]]  # ends[0] went for ends[2]
+        assert complete(list(ends[1]) + [17]) == len(ends[1])  # used, so ends[3] coming in pushes out ends[2]
+        assert cache.keys() == [ends[1], ends[3]] and cache.nbytes == 2 * size
+        assert complete(list(ends[2]) + [17]) == 0  # gone: prefilled afresh
+        assert complete(list(ends[3]) + [17]) == len(ends[3])  # the last request's end pushed out ends[1]
+        assert cache.keys()[0] == ends[3] and ends[1] not in cache
+    finally:
+        small.close()
+
+
+def test_serve_sizes_the_cache_by_the_flag_and_the_free_memory():
+    gib = 2**30
+    assert prefix_cache_bytes(None, gib, None) == 4 * gib  # the default where free memory is unknown
+    assert prefix_cache_bytes(None, gib, 100 * gib) == 4 * gib
+    assert prefix_cache_bytes(None, gib, 5 * gib) == 2 * gib  # half of what a context's caches leave
+    assert prefix_cache_bytes(0.5, gib, 2 * gib) == gib // 2 and prefix_cache_bytes(0, gib, 0) == 0
+    with pytest.raises(UsageError, match="--prefix_cache_gb 2 does not fit: the device has 1.00 GiB free beside"):
+        prefix_cache_bytes(2, gib, 2 * gib)
