@@ -46,7 +46,7 @@ def id_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 async def ask(worker: Worker, request: GenRequest) -> dict:
-    """Submit a request and read its stream: the TTFT, the token counts and the reply's text."""
+    """Submit a request and read its stream: the TTFT, the token counts, the reply's text and the cache after it."""
     t0 = time.perf_counter()
     job = worker.submit(request, asyncio.get_running_loop(), "bench")
     ttft, pieces = None, []
@@ -54,7 +54,8 @@ async def ask(worker: Worker, request: GenRequest) -> dict:
         ttft = time.perf_counter() - t0 if ttft is None else ttft
         pieces.append(piece)
     n, cached = len(request.ids), job.outcome.cached_tokens
-    return dict(prompt=n, cached=cached, prefilled=n - cached, ttft_s=ttft, text="".join(pieces))
+    return dict(prompt=n, cached=cached, prefilled=n - cached, ttft_s=ttft, text="".join(pieces),
+                cache_snapshots=len(worker.cache), cache_bytes=worker.cache.nbytes)
 
 
 def reply_ids(text: str) -> list[int]:
@@ -84,10 +85,7 @@ def run_worker(engine, tok: Tokenizer, cache_bytes: int, args: argparse.Namespac
     """One conversation through a fresh worker with a prefix cache of `cache_bytes` (its snapshots go with it)."""
     worker = Worker(engine, tok, max_queue=4, prefix_cache_bytes=cache_bytes)
     try:
-        rows = asyncio.run(conversation(worker, args, tok.vocab_size, seed))
-        for row in rows:
-            row["cache_snapshots"], row["cache_bytes"] = len(worker.cache), worker.cache.nbytes
-        return rows
+        return asyncio.run(conversation(worker, args, tok.vocab_size, seed))
     finally:
         worker.close()
         del worker

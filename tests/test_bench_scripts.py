@@ -69,7 +69,9 @@ def test_prefix_cache_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert all(r["prefilled"] == r["prompt"] and r["ttft_s"] > 0 for r in off)
     assert [r["prompt"] for r in off] == [r["prompt"] for r in on] == [120, 110, 144, 110, 168, 110]
     assert [r["prefilled"] for r in on] == [120, 10, 21, 10, 21, 10] and all(r["same_reply"] for r in on)
-    assert 0 < on[-1]["cache_bytes"] <= 4 * 2**30
+    # each request adds its prompt's end and the end of the reply before it (the first: the system prompt's end)
+    assert [r["cache_snapshots"] for r in on] == [2, 4, 6, 8, 10, 12] and all(r["cache_snapshots"] == 0 for r in off)
+    assert all(0 < a["cache_bytes"] < b["cache_bytes"] <= 4 * 2**30 for a, b in zip(on, on[1:]))
     assert (tmp_path / "pc.txt").read_text() in capsys.readouterr().out
 
 
