@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, count, field, max_tokens,
-                                       next_turn_prefix, refuse, sampling, stop_strings, text_of)
+from dflash_jax.server.request import (BadRequest, GenRequest, Settings, call_arguments, chat_prompt, check_function,
+                                       check_template, count, field, max_tokens, next_turn_prefix, refuse, sampling,
+                                       stop_strings, text_of)
 from dflash_jax.server.tool_calls import arguments_json, parse
 from dflash_jax.server.wire import new_id, now, sse
 from dflash_jax.server.worker import Job, Outcome
@@ -21,7 +20,6 @@ COMPLETION_UNSUPPORTED = {"echo": "echoing the prompt is not implemented", "suff
                           "logprobs": "log probabilities are not implemented"}
 FINISH = {"stop_token": "stop", "stop_sequence": "stop", "length": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range of temperature
@@ -50,19 +48,7 @@ def _tools(body: dict) -> list[dict]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise BadRequest(f"{where} must be an object of type 'function' with a 'function' object", "tools")
-        function = tool["function"]
-        name = function.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits or '_.:-', got {name!r}", "tools")
-        if name in names:
-            raise BadRequest(f"{where}.function.name {name!r} names an earlier tool too", "tools")
-        names.add(name)
-        if not isinstance(function.get("description", ""), str):
-            raise BadRequest(f"{where}.function.description must be a string", "tools")
-        parameters = function.get("parameters", {})
-        if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
-            raise BadRequest(f"{where}.function.parameters must be a JSON schema object whose 'properties' is an "
-                             "object", "tools")
+        check_function(tool["function"], f"{where}.function", names)
     return tools
 
 
@@ -96,13 +82,7 @@ def _past_calls(calls: Any, where: str) -> list[dict]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise BadRequest(f"{at}.function must be an object with a name", "messages")
-        arguments = function.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except (ValueError, RecursionError):
-            arguments = None
-        if not isinstance(arguments, dict):
-            raise BadRequest(f"{at}.function.arguments must be a JSON object, as a string", "messages")
+        arguments = call_arguments(function.get("arguments", "{}"), f"{at}.function", "messages")
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out
@@ -132,18 +112,6 @@ def _message(m: Any, where: str) -> dict:
     return message
 
 
-def _check_template(settings: Settings, tools: list[dict], messages: list[dict]) -> None:
-    """400 for tools or past tool calls that the model's chat template would drop without a word."""
-    template = settings.tokenizer.chat_template or ""
-    if tools and "tools" not in template:
-        raise BadRequest("'tools' need a chat template that renders them; this model's does not", "tools")
-    if any("tool_calls" in m for m in messages) and "tool_calls" not in template:
-        raise BadRequest("messages with tool_calls need a chat template that renders them; this model's does not",
-                         "messages")
-    if "tool_calls" in messages[-1]:
-        raise BadRequest("the last message makes tool calls: send their results (role 'tool') after it", "messages")
-
-
 def parse_chat(body: dict, settings: Settings) -> GenRequest:
     """A /v1/chat/completions body as a generation request (400 for anything the server cannot honour)."""
     refuse(body, UNSUPPORTED)
@@ -153,7 +121,9 @@ def parse_chat(body: dict, settings: Settings) -> GenRequest:
     messages = [_message(m, f"messages[{i}]") for i, m in enumerate(field(body, "messages", list))]
     if not messages:
         raise BadRequest("'messages' must not be empty", "messages")
-    _check_template(settings, tools, messages)
+    check_template(settings, tools, messages, "messages")
+    if "tool_calls" in messages[-1]:
+        raise BadRequest("the last message makes tool calls: send their results (role 'tool') after it", "messages")
     kwargs = field(body, "chat_template_kwargs", dict, {})
     thinking = kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):

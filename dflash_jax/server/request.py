@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 from dflash_jax.chat_template import TemplateError
@@ -11,6 +13,7 @@ from dflash_jax.errors import InputError
 from dflash_jax.tokenizer import Tokenizer
 
 _MISSING = object()
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 class BadRequest(InputError):
@@ -154,37 +157,80 @@ def stop_strings(body: Mapping[str, Any], name: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def text_of(content: Any, where: str, text_types: Sequence[str] = ("text",)) -> str:
-    """Message content as text: a string, or an array of text parts joined by newlines (no images or tools)."""
+def text_of(content: Any, where: str, text_types: Sequence[str] = ("text",), key: str = "content") -> str:
+    """Message content (`where`.`key`) as text: a string, or an array of text parts joined by newlines (no images or
+    tools)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or an array of content parts", where)
+        raise BadRequest(f"{where}.{key} must be a string or an array of content parts", where)
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in text_types:
-            raise BadRequest(f"{where}.content[{i}] is of type {kind!r}: only text content is supported", where)
+            raise BadRequest(f"{where}.{key}[{i}] is of type {kind!r}: only text content is supported", where)
         if not isinstance(part.get("text"), str):
-            raise BadRequest(f"{where}.content[{i}].text must be a string", where)
+            raise BadRequest(f"{where}.{key}[{i}].text must be a string", where)
         texts.append(part["text"])
     return "\n".join(texts)
 
 
-def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None,
-                tools: Sequence[dict] | None = None) -> list[int]:
-    """Prompt ids of a conversation (and the tools offered) through the chat template; a last assistant message is
-    continued, not closed."""
+def chat_text(settings: Settings, messages: list[dict], thinking: bool | None = None,
+              tools: Sequence[dict] | None = None, param: str = "messages") -> str:
+    """Prompt text of a conversation (and the tools offered) through the chat template; a last assistant message is
+    continued, not closed; a template error is a 400 naming `param`."""
     if not messages:
-        raise BadRequest("'messages' must not be empty", "messages")
+        raise BadRequest(f"'{param}' must not be empty", param)
     thinking = settings.thinking if thinking is None else thinking
     prefill = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
     head = messages[:-1] if prefill is not None else messages
     try:
-        text = settings.tokenizer.render_chat(head, True, thinking, tools) + (prefill or "")
+        return settings.tokenizer.render_chat(head, True, thinking, tools) + (prefill or "")
     except TemplateError as e:
-        raise BadRequest(str(e), "messages") from None
-    return settings.tokenizer.encode(text)
+        raise BadRequest(str(e), param) from None
+
+
+def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None,
+                tools: Sequence[dict] | None = None) -> list[int]:
+    """Prompt ids of a conversation (and the tools offered) through the chat template (`chat_text`)."""
+    return settings.tokenizer.encode(chat_text(settings, messages, thinking, tools))
+
+
+def check_function(function: Mapping[str, Any], where: str, names: set[str]) -> None:
+    """A tool's function definition checked (400 naming 'tools'): a name of 1 to 64 of `A-Za-z0-9_.:-` that no
+    earlier tool of the request has (added to `names`), a string description, a JSON schema object of parameters."""
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise BadRequest(f"{where}.name must be 1 to 64 letters, digits or '_.:-', got {name!r}", "tools")
+    if name in names:
+        raise BadRequest(f"{where}.name {name!r} names an earlier tool too", "tools")
+    names.add(name)
+    if not isinstance(function.get("description", ""), (str, type(None))):
+        raise BadRequest(f"{where}.description must be a string", "tools")
+    parameters = {} if function.get("parameters") is None else function["parameters"]
+    if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
+        raise BadRequest(f"{where}.parameters must be a JSON schema object whose 'properties' is an object", "tools")
+
+
+def call_arguments(arguments: Any, where: str, param: str) -> dict:
+    """A past tool call's arguments as the template reads them: a JSON object, sent as a string (or as an object)."""
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise BadRequest(f"{where}.arguments must be a JSON object, as a string", param)
+    return arguments
+
+
+def check_template(settings: Settings, tools: Sequence[dict], messages: Sequence[dict], param: str) -> None:
+    """400 for tools or past tool calls that the model's chat template would drop without a word."""
+    template = settings.tokenizer.chat_template or ""
+    if tools and "tools" not in template:
+        raise BadRequest("'tools' need a chat template that renders them; this model's does not", "tools")
+    if any("tool_calls" in m for m in messages) and "tool_calls" not in template:
+        raise BadRequest(f"{param} with tool calls need a chat template that renders them; this model's does not",
+                         param)
 
 
 def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], thinking: bool | None = None,
