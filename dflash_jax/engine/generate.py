@@ -93,7 +93,7 @@ class Engine:
             return cls(target.config, target.params, ecfg, kcfg=target.kcfg)
         dcfg = draft.config
         draft_model.check_pair(dcfg, target.config)
-        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.kcfg), draft.params,
+        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.kcfg.drafter), draft.params,
                    kcfg=target.kcfg)
 
     def _empty_states(self):
