@@ -33,6 +33,7 @@ class Settings:
     thinking: bool = False  # the chat template's thinking block, unless a request says otherwise
     sampling: SamplingParams = GREEDY  # temperature, top_p, top_k, min_p of requests that leave them out
     seed: int | None = None  # the seed of sampled requests that give none (None: one drawn per request)
+    reasoning_budget: int | None = None  # think-block tokens of requests that give no budget (None: no limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,10 @@ class GenRequest:
     sampling: SamplingParams = GREEDY
     n: int = 1  # completions of the prompt, the i-th sampled with seed + i (`choices`)
     tools: Mapping[str, Any] | None = None  # {name: parameters schema} of the tools whose calls the reply is parsed for
+    single_call: bool = False  # only the reply's first call is kept (parallel_tool_calls false)
+    prefix: str = ""  # the reply's first text, forced at the end of the prompt (a required tool call)
+    thinks: bool = False  # the prompt opens a think block: the reply starts with reasoning (server/reply.py)
+    reasoning_budget: int | None = None  # reply tokens in that block after which the server closes it (None: never)
 
 
 def field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = _MISSING) -> Any:
@@ -171,9 +176,9 @@ def text_of(content: Any, where: str, text_types: Sequence[str] = ("text",)) -> 
     return "\n".join(texts)
 
 
-def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None,
-                tools: Sequence[dict] | None = None) -> list[int]:
-    """Prompt ids of a conversation (and the tools offered) through the chat template; a last assistant message is
+def chat_text(settings: Settings, messages: list[dict], thinking: bool | None = None,
+              tools: Sequence[dict] | None = None) -> str:
+    """Prompt text of a conversation (and the tools offered) through the chat template; a last assistant message is
     continued, not closed."""
     if not messages:
         raise BadRequest("'messages' must not be empty", "messages")
@@ -181,10 +186,15 @@ def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None 
     prefill = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
     head = messages[:-1] if prefill is not None else messages
     try:
-        text = settings.tokenizer.render_chat(head, True, thinking, tools) + (prefill or "")
+        return settings.tokenizer.render_chat(head, True, thinking, tools) + (prefill or "")
     except TemplateError as e:
         raise BadRequest(str(e), "messages") from None
-    return settings.tokenizer.encode(text)
+
+
+def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None,
+                tools: Sequence[dict] | None = None) -> list[int]:
+    """Prompt ids of a conversation (and the tools offered) through the chat template (`chat_text`)."""
+    return settings.tokenizer.encode(chat_text(settings, messages, thinking, tools))
 
 
 def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], thinking: bool | None = None,
@@ -218,3 +228,9 @@ def max_tokens(value: int | None, n_prompt: int, settings: Settings, name: str =
         raise BadRequest(f"the prompt of {n_prompt} tokens + {name} {value} = {n_prompt + value} exceeds the "
                          f"context of {settings.max_ctx} tokens", name)
     return value
+
+
+def think_budget(settings: Settings, asked: int | None, thinks: bool) -> int | None:
+    """The think-block token budget of a reply: the request's, else the server's; None when the reply does not start
+    inside a think block."""
+    return (settings.reasoning_budget if asked is None else asked) if thinks else None
