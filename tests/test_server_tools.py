@@ -1,7 +1,8 @@
-"""Tool calls through /v1/chat/completions with the `openai` client (issue 44, items 1 and 2): tools and earlier
-calls and results rendered into the prompt by the published Qwen3.5 template, a reply's Qwen3-Coder XML returned as
-`tool_calls` (streamed as `delta.tool_calls` with the arguments in pieces), a round trip, `tool_choice` none,
-required and a named function, `parallel_tool_calls: false`, malformed XML as plain content, and the refusals.
+"""Tool calls through /v1/chat/completions with the `openai` client and /v1/messages with the `anthropic` client
+(issue 44, item 1): tools and earlier calls and results rendered into the prompt by the published Qwen3.5 template, a
+reply's Qwen3-Coder XML returned as `tool_calls` (streamed as `delta.tool_calls` with the arguments in pieces) and as
+`tool_use` blocks (streamed as `input_json_delta`), round trips, `tool_choice` none, required (any) and a named
+function, one call only, malformed XML as plain content, and the refusals.
 
 The random fixture model does not write tool calls, so the replies that call tools are forced: the test server's
 engine emits a given token script, a token at a time, instead of the model's choice
@@ -16,7 +17,7 @@ import pytest
 from conftest import FIXTURES
 from dflash_jax.chat_template import render
 from dflash_jax.server.tool_use import FORCED_CALL
-from test_server import USER, Server, oai  # noqa: F401 (a fixture, on this module's server)
+from test_server import USER, Server, claude, oai  # noqa: F401 (fixtures, on this module's server)
 
 QWEN35 = (FIXTURES / "templates" / "qwen3.5.jinja").read_text()
 MAX_CTX = 1024  # the template's tool instructions alone are about 470 tokens of the fixture's vocabulary
@@ -239,3 +240,129 @@ def test_the_server_still_serves_after_the_refusals(server, oai):
     ids = template_ids(server, USER)
     r = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
     assert r.choices[0].message.content == server.expect(ids, 4)[0]
+
+
+# The same tools in Anthropic's shape; the server hands them to the template in the form above.
+CLAUDE_TOOLS = [{"name": "get_weather", "description": "The weather of a city",
+                 "input_schema": WEATHER["function"]["parameters"]},
+                {"name": "noop", "input_schema": NOOP["function"]["parameters"]}]
+
+
+def claude_forced(server, claude, text, **kwargs):
+    server.gated.script = server.tok.encode(text)
+    return claude.messages.create(model="tiny", messages=USER, max_tokens=300, **kwargs)
+
+
+def claude_stream(server, claude, text, **kwargs):
+    """(the events, the message the client's stream helper adds them up to) of a forced streamed reply."""
+    server.gated.script = server.tok.encode(text)
+    with claude.messages.stream(model="tiny", messages=USER, max_tokens=300, **kwargs) as stream:
+        events = list(stream)
+        return events, stream.get_final_message()
+
+
+def blocks(message) -> list:
+    """A message's content blocks without their ids, in order."""
+    return [b.model_dump(exclude={"id"}) for b in message.content]
+
+
+def test_anthropic_tools_are_rendered_as_the_template_renders_them(server, claude):
+    assert claude.messages.count_tokens(model="tiny", messages=USER, tools=CLAUDE_TOOLS).input_tokens == len(
+        template_ids(server, USER, TOOLS))
+    result = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": '{"temp": 21}'}]},
+              {"type": "text", "text": "And tomorrow?"}]
+    sent = USER + [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "The user wants weather.", "signature": ""},
+        {"type": "text", "text": "Looking."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": result}]
+    as_template = USER + [{"role": "assistant", "content": "Looking.", "reasoning_content": "The user wants weather.",
+                           "tool_calls": [{"id": "toolu_1", "type": "function",
+                                           "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                          {"role": "tool", "tool_call_id": "toolu_1", "content": '{"temp": 21}'},
+                          {"role": "user", "content": "And tomorrow?"}]
+    ids = template_ids(server, as_template, TOOLS)
+    assert claude.messages.count_tokens(model="tiny", messages=sent, tools=CLAUDE_TOOLS).input_tokens == len(ids)
+    want, _ = server.expect(ids, 6)
+    m = claude.messages.create(model="tiny", messages=sent, tools=CLAUDE_TOOLS, max_tokens=6)
+    assert m.content[0].text == want and m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
+
+
+def test_an_anthropic_call_is_a_tool_use_block_streamed_as_input_json(server, claude):
+    text = "Let me look it up.\n\n" + CALL + "\n<tool_call>\n<function=noop>\n</function>\n</tool_call>"
+    m = claude_forced(server, claude, text, tools=CLAUDE_TOOLS)
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use", "tool_use"]
+    assert m.content[0].text == "Let me look it up." and m.content[1].input == ARGUMENTS and m.content[2].input == {}
+    assert m.content[1].id.startswith("toolu_") and m.content[1].id != m.content[2].id
+    events, final = claude_stream(server, claude, text, tools=CLAUDE_TOOLS)
+    assert blocks(final) == blocks(m) and final.stop_reason == "tool_use"
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in starts] == [
+        ("text", None, None), ("tool_use", "get_weather", {}), ("tool_use", "noop", {})]
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.index == 1]
+    assert json.loads("".join(pieces)) == ARGUMENTS and len(pieces) == len(ARGUMENTS) + 1
+
+
+def test_an_anthropic_tool_round_trip(server, claude):
+    m = claude_forced(server, claude, CALL, tools=CLAUDE_TOOLS)
+    (use,) = m.content
+    history = USER + [{"role": "assistant", "content": [use.model_dump()]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21"}]}]
+    ids = template_ids(server, USER + [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                           "arguments": ARGUMENTS}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "21"}], TOOLS)
+    want, _ = server.expect(ids, 6)
+    r = claude.messages.create(model="tiny", messages=history, tools=CLAUDE_TOOLS, max_tokens=6)
+    assert r.content[0].text == want and r.usage.input_tokens + r.usage.cache_read_input_tokens == len(ids)
+
+
+@pytest.mark.parametrize("text, kwargs", [(CALL, {"tools": CLAUDE_TOOLS, "tool_choice": {"type": "none"}}), (CALL, {})]
+                         + [(text, {"tools": CLAUDE_TOOLS}) for text in MALFORMED])
+def test_an_anthropic_reply_that_is_not_a_call_is_plain_text(server, claude, text, kwargs):
+    m = claude_forced(server, claude, text, **kwargs)
+    assert blocks(m) == [{"type": "text", "text": text, "citations": None}] and m.stop_reason == "end_turn"
+    _, final = claude_stream(server, claude, text, **kwargs)
+    assert blocks(final) == blocks(m) and final.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("choice, prefix", [({"type": "any"}, FORCED_CALL),
+                                            ({"type": "tool", "name": "get_weather"}, FORCED_CALL + "get_weather>\n")])
+def test_anthropic_tool_choice_any_or_tool_begins_the_reply_with_a_call(server, claude, choice, prefix):
+    ids = server.tok.encode(render(USER, QWEN35, enable_thinking=False, tools=TOOLS) + prefix)
+    assert claude.messages.count_tokens(model="tiny", messages=USER, tools=CLAUDE_TOOLS,
+                                        tool_choice=choice).input_tokens == len(ids)
+    m = claude_forced(server, claude, CALL[len(prefix):], tools=CLAUDE_TOOLS, tool_choice=choice)
+    assert m.stop_reason == "tool_use" and m.content[0].input == ARGUMENTS
+    two = CALL[len(prefix):] + "\n" + CALL.replace("Paris", "Rome")
+    m = claude_forced(server, claude, two, tools=CLAUDE_TOOLS, tool_choice={**choice, "disable_parallel_tool_use": True})
+    assert [b.input["city"] for b in m.content] == ["Paris"]
+    _, final = claude_stream(server, claude, two, tools=CLAUDE_TOOLS, tool_choice={**choice,
+                                                                                   "disable_parallel_tool_use": True})
+    assert blocks(final) == blocks(m)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools are not implemented"),
+    ({"tools": [{"name": "f"}]}, "tools[0].input_schema must be a JSON schema object"),
+    ({"tools": CLAUDE_TOOLS + CLAUDE_TOOLS}, "names an earlier tool"),
+    ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "tool", "name": "delete_files"}}, "not among the tools"),
+    ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "tool"}}, "needs the tool's name"),
+    ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice.type must be one of"),
+    ({"tool_choice": {"type": "any"}}, "needs tools to call"),
+    ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "any"}, "thinking": {"type": "enabled", "budget_tokens": 2}},
+     "thinking may not be enabled when tool_choice forces tool use"),
+    ({"messages": USER + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather",
+                                                             "input": {}}]}], "tools": CLAUDE_TOOLS},
+     "send their results"),
+    ({"messages": USER + [{"role": "assistant", "content": [{"type": "tool_use", "name": "get_weather",
+                                                             "input": "{}"}]}, USER[0]]}, "must have a name and an input"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]}, "tool_use_id must be"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {}}]}]}]}, "only text content"),
+    ({"messages": USER + [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}, USER[0]]},
+     "only text, thinking and tool_use blocks"),
+])
+def test_bad_anthropic_tool_requests_get_a_400(server, body, message):
+    status, err = server.post("/v1/messages", {"messages": USER, "max_tokens": 4, **body})
+    assert status == 400 and err["type"] == "error" and message in err["error"]["message"], err

@@ -35,9 +35,9 @@ def _tools(body: dict) -> list[dict]:
                              "tools: name, description, input_schema)", "tools")
         check_tool(where, tool.get("name"), tool.get("description", ""), tool.get("input_schema"), names, "tools",
                    "input_schema")
-        function = {"name": tool["name"], "description": tool.get("description", ""),
-                    "parameters": tool["input_schema"]}
-        tools.append({"type": "function", "function": function})
+        described = {"description": tool["description"]} if "description" in tool else {}
+        tools.append({"type": "function", "function": {"name": tool["name"], **described,
+                                                       "parameters": tool["input_schema"]}})
     return tools
 
 
