@@ -99,3 +99,11 @@ def test_a_malformed_call_is_content_as_soon_as_no_text_can_mend_it(head, decide
 ])
 def test_reasoning_is_the_think_block_the_prompt_or_the_reply_opens(text, thinking, want):
     assert split_reasoning(text, thinking) == want
+
+
+def test_single_keeps_the_first_call_only():
+    text = PARIS + "\n" + ROME + " tail"
+    assert whole(text, False, TOOLS, single=True) == Reply("", "", (CALL_PARIS,), " tail")
+    parser = ReplyParser(False, TOOLS, single=True)
+    events = [e for c in text for e in parser.push(c)] + parser.finish()
+    assert collect(events) == whole(text, False, TOOLS, single=True)
