@@ -1,7 +1,7 @@
 """Reasoning through both APIs (issue 44, item 2): with thinking on, Qwen3.5's template opens the think block in the
 prompt, and the reply's text before `</think>` comes back apart from the answer: OpenAI `reasoning_content` and
 Anthropic `thinking` blocks, streaming and not; and the reasoning budget (Anthropic `thinking.budget_tokens`, OpenAI
-`reasoning_effort`, the server's `--reasoning_budget`), which closes the block after N tokens, on the tiny model
+`reasoning_effort` and the Responses API's `reasoning.effort`, the server's `--reasoning_budget`), which closes the block after N tokens, on the tiny model
 (greedy) against the engine run on the prompt, the first N tokens and the closing text; its logic on a scripted
 engine. Replies that must say something particular are forced as in test_server_tools."""
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY_GGUF
 from dflash_jax.chat_template import render
 from dflash_jax.engine.generate import Generation
-from dflash_jax.server import anthropic_api, budget, openai_api
+from dflash_jax.server import anthropic_api, budget, openai_api, responses_api
 from dflash_jax.server.reply import THINK_CLOSE, split_reasoning
 from dflash_jax.server.request import Settings
 from dflash_jax.tokenizer import Tokenizer, load_tokenizer
@@ -145,6 +145,16 @@ def settings():
 ])
 def test_an_openai_request_gets_its_effort_or_the_servers_budget(settings, body, want):
     request = openai_api.parse_chat({"messages": USER, **body}, settings)
+    assert request.reasoning_budget == want and request.thinks == (want is not None)
+
+
+@pytest.mark.parametrize("reasoning, want", [
+    ({"effort": "minimal"}, 7), ({"effort": "max"}, 7),  # efforts chat lacks: the server's --reasoning_budget
+    ({"effort": "low"}, 1024), ({"effort": "medium"}, 4096), ({"effort": "high"}, 16384),
+    ({"effort": "none"}, None), ({}, None),  # thinking off (the server's default)
+])
+def test_a_responses_request_gets_chats_effort_budget_or_the_servers(settings, reasoning, want):
+    request = responses_api.parse_responses({"input": "Hi", "reasoning": reasoning}, settings)
     assert request.reasoning_budget == want and request.thinks == (want is not None)
 
 

@@ -163,7 +163,7 @@ def _prompt(body: dict, settings: Settings) -> tuple[list[int], bool, int, ToolU
     if use.forced and thinking:
         raise BadRequest("thinking may not be enabled when tool_choice forces tool use", "thinking")
     messages = _messages(body)
-    check_template(settings, tools, messages)
+    check_template(settings, tools, messages, "messages", "tool_result blocks")
     return (*reply_prompt(settings, messages, thinking, tools, use), use, budget)
 
 

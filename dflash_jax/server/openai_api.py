@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, AsyncIterator, Sequence
 
 from dflash_jax.server import reply
-from dflash_jax.server.request import (BadRequest, GenRequest, Settings, count, field, max_tokens, refuse,
+from dflash_jax.server.request import (EFFORT, BadRequest, GenRequest, Settings, count, field, max_tokens, refuse,
                                        sampling, stop_strings, text_of, think_budget)
 from dflash_jax.server.tool_calls import ToolCall, argument_pieces, arguments_json
-from dflash_jax.server.tool_use import ToolUse, check_template, check_tool, choose, reply_prompt
+from dflash_jax.server.tool_use import (ToolUse, call_arguments, check_template, function_tool, openai_tool_use,
+                                        reply_prompt)
 from dflash_jax.server.wire import new_id, now, sse
 from dflash_jax.server.worker import Job, Outcome
 
@@ -22,7 +22,6 @@ COMPLETION_UNSUPPORTED = {"echo": "echoing the prompt is not implemented", "suff
                           "logprobs": "log probabilities are not implemented"}
 FINISH = {"stop_token": "stop", "stop_sequence": "stop", "length": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-EFFORT = {"low": 1024, "medium": 4096, "high": 16384}  # reasoning_effort: think-block tokens before it is closed
 
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range of temperature
@@ -45,34 +44,21 @@ def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[
 
 
 def _tools(body: dict) -> list[dict]:
-    """The request's `tools`, checked: functions with distinct names and an object schema of parameters."""
-    tools, names = field(body, "tools", list, []), set()
-    for i, tool in enumerate(tools):
+    """The request's `tools`, checked (`function_tool`): functions with distinct names and an object schema of
+    parameters."""
+    tools, names = [], set()
+    for i, tool in enumerate(field(body, "tools", list, [])):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise BadRequest(f"{where} must be an object of type 'function' with a 'function' object", "tools")
-        function = tool["function"]
-        check_tool(f"{where}.function", function.get("name"), function.get("description", ""),
-                   function.get("parameters", {}), names, "tools")
+        tools.append(function_tool(tool["function"], f"{where}.function", names))
     return tools
 
 
-def _tool_use(body: dict, tools: list[dict]) -> ToolUse:
-    """What tool_choice (auto, none, required or a named function) and parallel_tool_calls ask of the reply."""
-    choice = field(body, "tool_choice", (str, dict), "auto")
-    name = None
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(
-                function.get("name"), str):
-            raise BadRequest("a named 'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                             "tool_choice")
-        choice, name = "named", function["name"]
-    elif choice not in ("auto", "none", "required"):
-        raise BadRequest(f"'tool_choice' must be 'auto', 'none', 'required' or a named function, got {choice!r}",
-                         "tool_choice")
-    schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools}
-    return choose(schemas, choice, name, not field(body, "parallel_tool_calls", bool, True), "tool_choice")
+def _named(choice: dict) -> Any:
+    """The function a tool_choice object names: {"type": "function", "function": {"name": ...}} (None otherwise)."""
+    function = choice.get("function")
+    return function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
 
 
 def _thinking(body: dict, use: ToolUse) -> tuple[bool | None, int | None]:
@@ -107,13 +93,7 @@ def _past_calls(calls: Any, where: str) -> list[dict]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise BadRequest(f"{at}.function must be an object with a name", "messages")
-        arguments = function.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except (ValueError, RecursionError):
-            arguments = None
-        if not isinstance(arguments, dict):
-            raise BadRequest(f"{at}.function.arguments must be a JSON object, as a string", "messages")
+        arguments = call_arguments(function.get("arguments", "{}"), f"{at}.function", "messages")
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out
@@ -152,7 +132,7 @@ def parse_chat(body: dict, settings: Settings) -> GenRequest:
     refuse(body, UNSUPPORTED)
     _common(body)
     tools = _tools(body)
-    use = _tool_use(body, tools)
+    use = openai_tool_use(body, tools, _named, "{\"type\": \"function\", \"function\": {\"name\": ...}}")
     messages = [_message(m, f"messages[{i}]") for i, m in enumerate(field(body, "messages", list))]
     if not messages:
         raise BadRequest("'messages' must not be empty", "messages")

@@ -159,36 +159,37 @@ def stop_strings(body: Mapping[str, Any], name: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def text_of(content: Any, where: str, text_types: Sequence[str] = ("text",)) -> str:
-    """Message content as text: a string, or an array of text parts joined by newlines (no images or tools)."""
+def text_of(content: Any, where: str, text_types: Sequence[str] = ("text",), key: str = "content") -> str:
+    """Message content (`where`.`key`) as text: a string, or an array of text parts joined by newlines (no images or
+    tools)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or an array of content parts", where)
+        raise BadRequest(f"{where}.{key} must be a string or an array of content parts", where)
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in text_types:
-            raise BadRequest(f"{where}.content[{i}] is of type {kind!r}: only text content is supported", where)
+            raise BadRequest(f"{where}.{key}[{i}] is of type {kind!r}: only text content is supported", where)
         if not isinstance(part.get("text"), str):
-            raise BadRequest(f"{where}.content[{i}].text must be a string", where)
+            raise BadRequest(f"{where}.{key}[{i}].text must be a string", where)
         texts.append(part["text"])
     return "\n".join(texts)
 
 
 def chat_text(settings: Settings, messages: list[dict], thinking: bool | None = None,
-              tools: Sequence[dict] | None = None) -> str:
+              tools: Sequence[dict] | None = None, param: str = "messages") -> str:
     """Prompt text of a conversation (and the tools offered) through the chat template; a last assistant message is
-    continued, not closed."""
+    continued, not closed; a template error is a 400 naming `param`."""
     if not messages:
-        raise BadRequest("'messages' must not be empty", "messages")
+        raise BadRequest(f"'{param}' must not be empty", param)
     thinking = settings.thinking if thinking is None else thinking
     prefill = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
     head = messages[:-1] if prefill is not None else messages
     try:
         return settings.tokenizer.render_chat(head, True, thinking, tools) + (prefill or "")
     except TemplateError as e:
-        raise BadRequest(str(e), "messages") from None
+        raise BadRequest(str(e), param) from None
 
 
 def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None,
@@ -228,6 +229,9 @@ def max_tokens(value: int | None, n_prompt: int, settings: Settings, name: str =
         raise BadRequest(f"the prompt of {n_prompt} tokens + {name} {value} = {n_prompt + value} exceeds the "
                          f"context of {settings.max_ctx} tokens", name)
     return value
+
+
+EFFORT = {"low": 1024, "medium": 4096, "high": 16384}  # a reasoning effort's think-block tokens before it is closed
 
 
 def think_budget(settings: Settings, asked: int | None, thinks: bool) -> int | None:

@@ -1,5 +1,5 @@
-"""A chat request's tools and tool choice, for both APIs: the tools checked, whether the reply is parsed for calls,
-the text that forces a call, and the prompt that ends in it.
+"""A chat request's tools and tool choice, for every API (chat completions, Responses, Messages): the tools and past
+calls checked, whether the reply is parsed for calls, the text that forces a call, and the prompt that ends in it.
 
 A call is forced (OpenAI `tool_choice` "required" or a named function, Anthropic "any" or "tool") by beginning the
 reply in the prompt: `<tool_call>\\n<function=` after the generation prompt, and for a named function its name and
@@ -10,11 +10,12 @@ think block is closed for such a reply (thinking off): the call comes first.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dflash_jax.server.reply import opens_thinking
-from dflash_jax.server.request import BadRequest, Settings, chat_text, next_turn_prefix
+from dflash_jax.server.request import BadRequest, Settings, chat_text, field, next_turn_prefix
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 FORCED_CALL = "<tool_call>\n<function="
@@ -49,6 +50,15 @@ def check_tool(where: str, name: Any, description: Any, parameters: Any, seen: s
         raise BadRequest(f"{where}.{schema} must be a JSON schema object whose 'properties' is an object", param)
 
 
+def function_tool(function: Mapping[str, Any], where: str, seen: set[str]) -> dict:
+    """An OpenAI function definition checked (`check_tool`) and in the form the template renders, its null fields
+    left out (OpenAI's clients may send a null description or parameters)."""
+    function = {k: v for k, v in function.items() if v is not None}
+    check_tool(where, function.get("name"), function.get("description", ""), function.get("parameters", {}), seen,
+               "tools")
+    return {"type": "function", "function": function}
+
+
 def choose(tools: Mapping[str, Any], choice: str, name: str | None, single: bool, param: str) -> ToolUse:
     """The ToolUse of a choice: 'auto' (parsed), 'none' (the tools rendered, the reply left as text), 'required' or
     'named' (a call forced; `name` the function's, which must be offered)."""
@@ -60,26 +70,59 @@ def choose(tools: Mapping[str, Any], choice: str, name: str | None, single: bool
     return ToolUse(dict(tools), choice != "none" and bool(tools), forced, single)
 
 
-def check_template(settings: Settings, tools: Sequence[dict], messages: list[dict]) -> None:
-    """400 for tools or past tool calls that the model's chat template would drop without a word."""
+def openai_tool_use(body: Mapping[str, Any], tools: Sequence[dict], name_of: Callable[[dict], Any],
+                    shape: str) -> ToolUse:
+    """What an OpenAI `tool_choice` (auto, none, required, or an object naming a function: `name_of` reads its name,
+    None when it names none; `shape` is its form, for the error) and `parallel_tool_calls` ask of the reply; `tools`
+    in the template's form."""
+    choice = field(body, "tool_choice", (str, dict), "auto")
+    name = None
+    if isinstance(choice, dict):
+        name = name_of(choice)
+        if not isinstance(name, str):
+            raise BadRequest(f"a named 'tool_choice' must be {shape}", "tool_choice")
+        choice = "named"
+    elif choice not in ("auto", "none", "required"):
+        raise BadRequest(f"'tool_choice' must be 'auto', 'none', 'required' or a named function, got {choice!r}",
+                         "tool_choice")
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools}
+    return choose(schemas, choice, name, not field(body, "parallel_tool_calls", bool, True), "tool_choice")
+
+
+def call_arguments(arguments: Any, where: str, param: str) -> dict:
+    """A past tool call's arguments as the template reads them: a JSON object, sent as a string (or as an object)."""
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise BadRequest(f"{where}.arguments must be a JSON object, as a string", param)
+    return arguments
+
+
+def check_template(settings: Settings, tools: Sequence[dict], messages: list[dict], param: str = "messages",
+                   results: str = "role 'tool' messages") -> None:
+    """400 for tools or past tool calls that the model's chat template would drop without a word, and for a
+    conversation (`param`) whose last message makes calls (their `results` must follow)."""
     template = settings.tokenizer.chat_template or ""
     if tools and "tools" not in template:
         raise BadRequest("'tools' need a chat template that renders them; this model's does not", "tools")
     if any("tool_calls" in m for m in messages) and "tool_calls" not in template:
-        raise BadRequest("messages with tool_calls need a chat template that renders them; this model's does not",
-                         "messages")
+        raise BadRequest(f"{param} with tool calls need a chat template that renders them; this model's does not",
+                         param)
     if "tool_calls" in messages[-1]:
-        raise BadRequest("the last message makes tool calls: send their results (role 'tool') after it", "messages")
+        raise BadRequest(f"the last of '{param}' makes tool calls: send their results ({results}) after it", param)
 
 
 def reply_prompt(settings: Settings, messages: list[dict], thinking: bool | None, tools: Sequence[dict],
-                 use: ToolUse) -> tuple[list[int], bool, int]:
+                 use: ToolUse, param: str = "messages") -> tuple[list[int], bool, int]:
     """(prompt ids, whether the reply starts inside a think block, how many ids the next turn repeats) of a chat
-    whose tools are rendered as `tools` (the template's form); a forced call ends the prompt, thinking off."""
+    (`param` names it in errors) whose tools are rendered as `tools` (the template's form); a forced call ends the
+    prompt, thinking off."""
     if use.forced:
         if messages[-1]["role"] == "assistant":
-            raise BadRequest("a forced tool call cannot continue a last assistant message (prefill)", "messages")
+            raise BadRequest("a forced tool call cannot continue a last assistant message (prefill)", param)
         thinking = False
-    text = chat_text(settings, messages, thinking, tools)
+    text = chat_text(settings, messages, thinking, tools, param)
     ids = settings.tokenizer.encode(text + use.forced)
     return ids, opens_thinking(text), next_turn_prefix(settings, messages, ids, thinking, tools)
