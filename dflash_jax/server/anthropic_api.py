@@ -33,7 +33,7 @@ def _tools(body: dict) -> list[dict]:
         if tool.get("type") not in (None, "custom"):
             raise BadRequest(f"{where} is of type {tool.get('type')!r}: server tools are not implemented (send custom "
                              "tools: name, description, input_schema)", "tools")
-        check_tool(where, tool.get("name"), tool.get("description", ""), tool.get("input_schema"), names, "tools",
+        check_tool(where, tool.get("name"), tool.get("description", ""), tool.get("input_schema"), names,
                    "input_schema")
         described = {"description": tool["description"]} if "description" in tool else {}
         tools.append({"type": "function", "function": {"name": tool["name"], **described,

@@ -35,27 +35,27 @@ class ToolUse:
         return {"tools": self.tools if self.parsed else None, "single_call": self.single, "prefix": self.forced}
 
 
-def check_tool(where: str, name: Any, description: Any, parameters: Any, seen: set[str], param: str,
+def check_tool(where: str, name: Any, description: Any, parameters: Any, seen: set[str],
                schema: str = "parameters") -> None:
-    """400 for a tool the template cannot render as a function: a bad or repeated name, a description that is not a
-    string, parameters (the field named `schema`) that are not a JSON schema object with an object of properties."""
+    """400 (naming 'tools') for a tool the template cannot render as a function: a bad or repeated name, a description
+    that is not a string, parameters (the field named `schema`) that are not a JSON schema object with an object of
+    properties."""
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise BadRequest(f"{where}.name must be 1 to 64 letters, digits or '_.:-', got {name!r}", param)
+        raise BadRequest(f"{where}.name must be 1 to 64 letters, digits or '_.:-', got {name!r}", "tools")
     if name in seen:
-        raise BadRequest(f"{where}.name {name!r} names an earlier tool too", param)
+        raise BadRequest(f"{where}.name {name!r} names an earlier tool too", "tools")
     seen.add(name)
     if not isinstance(description, str):
-        raise BadRequest(f"{where}.description must be a string", param)
+        raise BadRequest(f"{where}.description must be a string", "tools")
     if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
-        raise BadRequest(f"{where}.{schema} must be a JSON schema object whose 'properties' is an object", param)
+        raise BadRequest(f"{where}.{schema} must be a JSON schema object whose 'properties' is an object", "tools")
 
 
 def function_tool(function: Mapping[str, Any], where: str, seen: set[str]) -> dict:
     """An OpenAI function definition checked (`check_tool`) and in the form the template renders, its null fields
     left out (OpenAI's clients may send a null description or parameters)."""
     function = {k: v for k, v in function.items() if v is not None}
-    check_tool(where, function.get("name"), function.get("description", ""), function.get("parameters", {}), seen,
-               "tools")
+    check_tool(where, function.get("name"), function.get("description", ""), function.get("parameters", {}), seen)
     return {"type": "function", "function": function}
 
 
