@@ -6,7 +6,8 @@ Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/comp
 POST /v1/messages/count_tokens, streaming as server-sent events. Requests are served one at a time (batch 1) from a
 bounded queue; a request that extends the previous one's conversation continues from its state on the device.
 Requests may sample (temperature, top_p, top_k, min_p, seed; n choices); --temperature, --top_p, --top_k, --min_p
-and --seed are the defaults of requests that leave them out. Needs the `server` extra
+and --seed are the defaults of requests that leave them out; --reasoning_budget N closes a reply's think block after
+N tokens. Needs the `server` extra
 (`pip install "dflash-jax[server]"`).
 """
 
@@ -78,7 +79,8 @@ def run(argv: Sequence[str]) -> int:
             _log("compiling (one short generation)...")
             engine.generate([0], 2)
         settings = Settings(models.tokenizer, f.model_name or model_name(target_path), f.max_ctx,
-                            models.target.config.vocab_size, f.n_gen, f.thinking, sampling, f.seed)
+                            models.target.config.vocab_size, f.n_gen, f.thinking, sampling, f.seed,
+                            f.reasoning_budget)
         worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None)
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         host = f"[{f.host}]" if ":" in f.host else f.host  # an IPv6 address
@@ -109,6 +111,8 @@ def define_flags() -> None:
     flags.DEFINE_string("model_name", None, "Model id that /v1/models lists and responses carry (default: the "
                         "target's file name).")
     flags.DEFINE_integer("max_queue", 16, "Requests that may wait while one runs; more get HTTP 429.", lower_bound=1)
+    flags.DEFINE_integer("reasoning_budget", None, "Close the think block of a reply after this many tokens, for "
+                         "requests that give no budget (default: no limit).", lower_bound=1)
     flags.DEFINE_boolean("warmup", True, "Compile before listening, so the first request does not wait for it.")
 
 

@@ -1,7 +1,7 @@
 """POST /v1/responses with the `openai` client (issue 44, item 3): text and item input rendered by the published Qwen3.5
 template as the equivalent chat, replies equal to the engine's, streaming (raw events and the `responses.stream`
 helper), usage, max_output_tokens, reasoning items, a function-call round trip, forced calls (tool_choice required or
-named), one call (parallel_tool_calls false), and the refusals.
+named), one call (parallel_tool_calls false), streamed items equal to the whole reply's, and the refusals.
 
 Replies that reason or call tools are forced, as in test_server_tools.py: the test engine emits a given token script
 in place of the model's choice (test_server.GatedEngine.script); everything after it runs as it does for the model."""
@@ -13,7 +13,7 @@ import pytest
 
 from dflash_jax.chat_template import render
 from dflash_jax.engine.sampling import SamplingParams
-from dflash_jax.server.responses_api import CALL_START, ResponsesRequest, split
+from dflash_jax.server.tool_use import FORCED_CALL
 from test_server import USER, Server, oai  # noqa: F401 (a fixture, on this module's server)
 from test_server_tools import ARGUMENTS, CALL, MAX_CTX, QWEN35, WEATHER
 
@@ -167,14 +167,15 @@ def test_a_streamed_call_comes_as_one_function_call_item_after_the_text(server, 
     events = events_of(server, oai, "Let me look it up.\n\n" + CALL, tools=TOOLS)
     kinds = [e.type for e in events]
     at = kinds.index("response.output_text.done")
+    pieces = len(ARGUMENTS) + 1  # `{` with the first parameter, each further one, `}`: as chat streams them
     assert kinds[at:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.output_item.added", "response.function_call_arguments.delta",
-                          "response.function_call_arguments.done", "response.output_item.done",
-                          "response.completed"]
+                          "response.output_item.added"] + ["response.function_call_arguments.delta"] * pieces + [
+                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Let me look it up."
-    added, delta, done, item = events[at + 3:at + 7]
+    added, deltas, (done, item) = events[at + 3], events[at + 4:at + 4 + pieces], events[at + 4 + pieces:-1]
     assert added.item.arguments == "" and added.item.call_id == item.item.call_id and added.output_index == 1
-    assert json.loads(delta.delta) == json.loads(done.arguments) == ARGUMENTS == json.loads(item.item.arguments)
+    assert "".join(d.delta for d in deltas) == done.arguments == item.item.arguments
+    assert json.loads(done.arguments) == ARGUMENTS and deltas[0].delta == '{"city": "Paris"'
     final = events[-1].response
     assert [o.type for o in final.output] == ["message", "function_call"] and final.output[1] == item.item
     server.gated.script = server.tok.encode(CALL)
@@ -192,13 +193,25 @@ def test_malformed_calls_are_plain_text_streaming_and_not(server, oai, text):
     assert [o.type for o in events[-1].response.output] == ["message"]
 
 
+def test_a_null_description_or_parameters_is_left_out_on_both_openai_endpoints(server, oai):
+    """OpenAI's clients may send them as null (the Responses shape's are nullable): the template gets the tool
+    without them."""
+    bare = {"name": "noop", "description": None, "parameters": None}
+    want = len(server.tok.encode(render(USER, QWEN35, enable_thinking=False,
+                                        tools=[{"type": "function", "function": {"name": "noop"}}])))
+    r = oai.responses.create(model="tiny", input=PROMPT, tools=[{"type": "function", **bare}], max_output_tokens=1)
+    c = oai.chat.completions.create(model="tiny", messages=USER, tools=[{"type": "function", "function": bare}],
+                                    max_tokens=1)
+    assert r.usage.input_tokens == c.usage.prompt_tokens == want
+
+
 def test_tool_choice_none_renders_the_tools_and_leaves_the_reply_as_text(server, oai):
     r = forced(server, oai, CALL, tools=TOOLS, tool_choice="none")
     assert r.output_text == CALL and r.usage.input_tokens == len(server.tok.encode(template_text(USER, tools=True)))
 
 
 @pytest.mark.parametrize("choice, start", [
-    ("required", CALL_START), ({"type": "function", "name": "get_weather"}, CALL_START + "get_weather>\n")])
+    ("required", FORCED_CALL), ({"type": "function", "name": "get_weather"}, FORCED_CALL + "get_weather>\n")])
 def test_a_required_or_named_tool_choice_forces_the_reply_to_start_a_call(server, oai, choice, start):
     ids = server.tok.encode(template_text(USER, tools=True) + start)
     want, tokens = server.expect(ids, 6)
@@ -209,7 +222,7 @@ def test_a_required_or_named_tool_choice_forces_the_reply_to_start_a_call(server
     assert call.type == "function_call" and json.loads(call.arguments) == ARGUMENTS
 
 
-def test_parallel_tool_calls_false_ends_the_reply_after_the_first_call(server, oai):
+def test_parallel_tool_calls_false_keeps_the_first_call(server, oai):
     r = forced(server, oai, CALL + "\n" + CALL.replace("Paris", "Rome"), tools=TOOLS, parallel_tool_calls=False)
     (call,) = r.output
     assert json.loads(call.arguments)["city"] == "Paris" and r.status == "completed" and not r.parallel_tool_calls
@@ -250,20 +263,26 @@ def test_reasoning_is_its_own_item_streaming_and_not(server, oai):
     assert r.usage.input_tokens == len(server.tok.encode(template_text(USER)))
 
 
-def test_the_split_of_a_stream_grows_into_the_split_of_the_whole_reply():
-    """Fed one character at a time, every part shown so far is the start of the final part."""
-    tools = {"get_weather": WEATHER["function"]["parameters"]}
-    for reasoning in (False, True):
-        for text in ["\n Thinking </thi\n</think>\n\n Text <tool_ \n\n" + CALL + "\n" + CALL, "Plain < text\n\n",
-                     "A thought only </thin", "Hmm. <tool_call>\n<function=get_weather>\n</tool_call>"]:
-            request = ResponsesRequest([1], 1, tools=tools, reasoning=reasoning)
-            final = split(text, request, final=True)
-            for n in range(len(text) + 1):
-                part = split(text[:n], request, final=False)
-                assert final.thought.startswith(part.thought) and final.content.startswith(part.content), (text, n)
-                assert not part.calls
-    final = split("\n Thinking </thi\n</think>\n\n Text <tool_ \n\n" + CALL, request, final=True)
-    assert final.thought == "Thinking </thi" and final.content == "Text <tool_" and len(final.calls) == 1
+def items(output) -> list[dict]:
+    """Output items less their ids (drawn afresh for every response)."""
+    return [{k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")} for item in output]
+
+
+@pytest.mark.parametrize("text, kwargs, kinds", [
+    ("\nFirst.\n</think>\n\nText <tool_ \n\n" + CALL + "\n" + CALL.replace("Paris", "Rome") + "\nDone.",
+     {"reasoning": {"effort": "low"}}, ["reasoning", "message", "function_call", "function_call", "message"]),
+    ("A thought, never closed </thin", {"reasoning": {"effort": "low"}}, ["reasoning"]),
+    ("\nDone.\n</think>\n\n", {"reasoning": {"effort": "low"}}, ["reasoning", "message"]),  # an empty answer
+    ("Hmm. " + CALL + "\n" + CALL + "\nAfter.", {"parallel_tool_calls": False}, ["message", "function_call", "message"]),
+    ("Hmm. <tool_call>\n<function=get_weather>\n</tool_call>", {}, ["message"]),  # malformed: text
+])
+def test_a_streamed_response_has_the_items_of_the_whole_one(server, oai, text, kwargs, kinds):
+    """The stream's items (reply.py's incremental parser) equal the non-streamed response's (its whole-reply read),
+    statuses included: an item that another follows is completed, the last has the response's status."""
+    whole = forced(server, oai, text, tools=TOOLS, **kwargs)
+    streamed = events_of(server, oai, text, tools=TOOLS, **kwargs)[-1].response
+    assert [item.type for item in whole.output] == kinds and items(streamed.output) == items(whole.output)
+    assert whole.output[-1].status == ("incomplete" if kinds == ["reasoning"] else "completed")
 
 
 def test_a_stream_failing_midway_raises_in_the_client_naming_only_a_request_id(server, oai):
@@ -292,15 +311,17 @@ def test_a_stream_failing_midway_raises_in_the_client_naming_only_a_request_id(s
      "input", "answers no function_call item"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "get_weather",
                                                     "arguments": "{}"}], "tools": TOOLS}, "input",
-     "send its function_call_output"),
+     "send their results (function_call_output items)"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                     "arguments": "[1]"}]}, "input", "must be a JSON object"),
     ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
     ({"tools": TOOLS + TOOLS}, "tools", "names an earlier tool"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "delete_files"}}, "tool_choice", "does not offer"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "delete_files"}}, "tool_choice",
+     "which is not among the tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice", "allowed tools"),
-    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-    ({"tools": TOOLS, "tool_choice": "required", "reasoning": {"effort": "high"}}, "tool_choice", "thinking on"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools to call"),
+    ({"tools": TOOLS, "tool_choice": "required", "reasoning": {"effort": "high"}}, "tool_choice",
+     "thinking cannot be on"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning", "reasoning.effort must be one of"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text", "structured output"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),

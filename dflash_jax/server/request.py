@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from typing import Any, Callable, Mapping, Sequence
 
 from dflash_jax.chat_template import TemplateError
@@ -13,7 +11,6 @@ from dflash_jax.errors import InputError
 from dflash_jax.tokenizer import Tokenizer
 
 _MISSING = object()
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 class BadRequest(InputError):
@@ -36,6 +33,7 @@ class Settings:
     thinking: bool = False  # the chat template's thinking block, unless a request says otherwise
     sampling: SamplingParams = GREEDY  # temperature, top_p, top_k, min_p of requests that leave them out
     seed: int | None = None  # the seed of sampled requests that give none (None: one drawn per request)
+    reasoning_budget: int | None = None  # think-block tokens of requests that give no budget (None: no limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +49,10 @@ class GenRequest:
     sampling: SamplingParams = GREEDY
     n: int = 1  # completions of the prompt, the i-th sampled with seed + i (`choices`)
     tools: Mapping[str, Any] | None = None  # {name: parameters schema} of the tools whose calls the reply is parsed for
+    single_call: bool = False  # only the reply's first call is kept (parallel_tool_calls false)
+    prefix: str = ""  # the reply's first text, forced at the end of the prompt (a required tool call)
+    thinks: bool = False  # the prompt opens a think block: the reply starts with reasoning (server/reply.py)
+    reasoning_budget: int | None = None  # reply tokens in that block after which the server closes it (None: never)
 
 
 def field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = _MISSING) -> Any:
@@ -196,43 +198,6 @@ def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None 
     return settings.tokenizer.encode(chat_text(settings, messages, thinking, tools))
 
 
-def check_function(function: Mapping[str, Any], where: str, names: set[str]) -> None:
-    """A tool's function definition checked (400 naming 'tools'): a name of 1 to 64 of `A-Za-z0-9_.:-` that no
-    earlier tool of the request has (added to `names`), a string description, a JSON schema object of parameters."""
-    name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise BadRequest(f"{where}.name must be 1 to 64 letters, digits or '_.:-', got {name!r}", "tools")
-    if name in names:
-        raise BadRequest(f"{where}.name {name!r} names an earlier tool too", "tools")
-    names.add(name)
-    if not isinstance(function.get("description", ""), (str, type(None))):
-        raise BadRequest(f"{where}.description must be a string", "tools")
-    parameters = {} if function.get("parameters") is None else function["parameters"]
-    if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
-        raise BadRequest(f"{where}.parameters must be a JSON schema object whose 'properties' is an object", "tools")
-
-
-def call_arguments(arguments: Any, where: str, param: str) -> dict:
-    """A past tool call's arguments as the template reads them: a JSON object, sent as a string (or as an object)."""
-    try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except (ValueError, RecursionError):
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise BadRequest(f"{where}.arguments must be a JSON object, as a string", param)
-    return arguments
-
-
-def check_template(settings: Settings, tools: Sequence[dict], messages: Sequence[dict], param: str) -> None:
-    """400 for tools or past tool calls that the model's chat template would drop without a word."""
-    template = settings.tokenizer.chat_template or ""
-    if tools and "tools" not in template:
-        raise BadRequest("'tools' need a chat template that renders them; this model's does not", "tools")
-    if any("tool_calls" in m for m in messages) and "tool_calls" not in template:
-        raise BadRequest(f"{param} with tool calls need a chat template that renders them; this model's does not",
-                         param)
-
-
 def next_turn_prefix(settings: Settings, messages: list[dict], ids: list[int], thinking: bool | None = None,
                      tools: Sequence[dict] | None = None) -> int:
     """How many leading ids of a chat prompt the conversation's next turn will repeat: the common prefix of the
@@ -264,3 +229,12 @@ def max_tokens(value: int | None, n_prompt: int, settings: Settings, name: str =
         raise BadRequest(f"the prompt of {n_prompt} tokens + {name} {value} = {n_prompt + value} exceeds the "
                          f"context of {settings.max_ctx} tokens", name)
     return value
+
+
+EFFORT = {"low": 1024, "medium": 4096, "high": 16384}  # a reasoning effort's think-block tokens before it is closed
+
+
+def think_budget(settings: Settings, asked: int | None, thinks: bool) -> int | None:
+    """The think-block token budget of a reply: the request's, else the server's; None when the reply does not start
+    inside a think block."""
+    return (settings.reasoning_budget if asked is None else asked) if thinks else None

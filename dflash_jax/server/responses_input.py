@@ -6,7 +6,8 @@ and `tool_calls`, as a chat client would send it. `function_call_output` items b
 
 from __future__ import annotations
 
-from dflash_jax.server.request import BadRequest, call_arguments, field, text_of
+from dflash_jax.server.request import BadRequest, field, text_of
+from dflash_jax.server.tool_use import call_arguments
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")

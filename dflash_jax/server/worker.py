@@ -12,6 +12,7 @@ from typing import AsyncIterator, Callable
 
 from dflash_jax.engine.state import Mark, rewind
 from dflash_jax.errors import InputError
+from dflash_jax.server import budget
 from dflash_jax.server.request import GenRequest
 from dflash_jax.server.stops import StopMatcher
 from dflash_jax.server.wire import internal_error
@@ -190,9 +191,9 @@ class Worker:
             return matcher.matched is not None
 
         t0 = time.perf_counter()
-        gen = self.engine.generate(request.ids[start:], request.max_tokens, tok.stop_ids, on_tokens, after=after,
-                                   keep_pending=whole, mark_at=max(request.history - start, 0),
-                                   sampling=request.sampling)
+        gen = budget.generate(self.engine, tok, request.reasoning_budget, request.ids[start:], request.max_tokens,
+                              on_tokens, after=after, keep_pending=whole, mark_at=max(request.history - start, 0),
+                              sampling=request.sampling)
         if not gen.halted:
             tail = matcher.push(decoder.flush()) + matcher.flush()
             if tail:
