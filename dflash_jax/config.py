@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping
 
 from dflash_jax.errors import InputError, brief
+from dflash_jax.kv_quant import TYPES as _KV
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -129,7 +130,7 @@ class DraftConfig:
 
 IMPLS = ("reference", "pallas")
 MGPU_LAYOUTS = ("off", "beside", "only")
-KV_DTYPES = ("float32", "bfloat16")
+KV_TYPES = tuple(_KV)  # f32, bf16, f16, q8_0, q4_0, rq3_0 (dflash_jax/kv_quant.py)
 NUMERICS = ("exact", "fast")
 DRAFT_RULES = ("coupled", "tempered", "plain")  # EngineConfig.draft_rule
 
@@ -200,7 +201,7 @@ class EngineConfig:
     # the top-1 chain alone (every node goes to it), so a small budget would be chain decoding, not a tree.
     chain_seed: bool | None = None
     max_ctx: int = 4096  # committed tokens the caches hold (prompt + generated)
-    kv_dtype: str = "float32"
+    kv_type: str = "f32"  # the target's KV cache (dflash_jax/kv_quant.py)
     # what a sampled step builds its tree from (dflash_jax.engine.sampling.draft_scores); greedy uses the logits
     draft_rule: str = "coupled"
 
@@ -211,7 +212,7 @@ class EngineConfig:
                f"tokens; at most {MAX_TREE_NODES} are supported)")
         _check(self.topk >= 1, f"topk {self.topk} must be at least 1 (a top-K wider than the budget is cut to it)")
         _check(self.max_ctx >= 2, f"max_ctx {self.max_ctx} must be at least 2")
-        _check(self.kv_dtype in KV_DTYPES, f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        _check(self.kv_type in KV_TYPES, f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         _check(self.draft_rule in DRAFT_RULES,
                f"draft_rule {self.draft_rule!r} is not one of {', '.join(DRAFT_RULES)}")
 
