@@ -39,10 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference,  # noqa: E402
                       fit_verify_cost)
 
+from exactness import margin  # noqa: E402
+
 from dflash_jax import kv_quant as kvq  # noqa: E402
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
+from dflash_jax.engine.sampling import GREEDY  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
@@ -455,11 +458,14 @@ def run(args: argparse.Namespace) -> None:
                        differs_from_ar_at=row["differs_from_ar_at"])
             if not res["steps"]:
                 res["oracle_ms"] = oracle_ms(engine, args.iters)
-            res["steps"].append(row)
             diff = row["differs_from_ar_at"]
+            if diff is not None:  # a near-tie, or a break of exactness: the top-2 logit gap there tells which
+                row["margin_at_difference"] = margin(target, prompt, sequence[:diff], GREEDY, base.kv_type)
+            res["steps"].append(row)
+            at = "" if diff is None else f" (top-2 logit gap {row['margin_at_difference']['margin']:.2g})"
             log(f"{mode} {budget}: step {row['step_ms']:.2f} ms ({row['step_over_ar']:.2f} x AR), AL "
                 f"{row['accept_length']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
-                f"{'equal to AR' if diff is None else f'differs from AR at token {diff}'}; phases " +
+                f"{'equal to AR' if diff is None else f'differs from AR at token {diff}{at}'}; phases " +
                 ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "verify_tokens"))
             save()
 

@@ -25,8 +25,8 @@ def test_this_machine_gets_its_row_of_the_table():
 
 @pytest.mark.parametrize("device, want", [
     ("cpu", ("reference", False, "off", "off", "exact")),
-    ("gpu", ("pallas", False, "off", "off", "fast")),
-    ("hopper", ("pallas", False, "only", "only", "fast")),  # every mode multiplies the same rounded weights
+    ("gpu", ("pallas", False, "off", "off", "exact")),
+    ("hopper", ("pallas", False, "only", "only", "exact")),  # every mode multiplies the same rounded weights
 ])
 def test_each_device_class_gets_its_row_of_the_table(device, want):
     impl, interpret, ar_layout, tree_layout, numerics = want
