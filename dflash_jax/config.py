@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping
 
 from dflash_jax.errors import InputError, brief
+from dflash_jax.kv_quant import TYPES as _KV
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -129,7 +130,7 @@ class DraftConfig:
 
 IMPLS = ("reference", "pallas")
 MGPU_LAYOUTS = ("off", "beside", "only")
-KV_DTYPES = ("float32", "bfloat16")
+KV_TYPES = tuple(_KV)  # f32, bf16, f16, q8_0, q4_0, rq3_0 (dflash_jax/kv_quant.py)
 NUMERICS = ("exact", "fast")
 DRAFT_RULES = ("coupled", "tempered", "plain")  # EngineConfig.draft_rule
 
@@ -167,6 +168,14 @@ class KernelConfig:
         """Whether products round the same way at every row count (`numerics` "exact")."""
         return self.numerics == "exact"
 
+    @property
+    def drafter(self) -> "KernelConfig":
+        """The drafter's kernels: these, in fast numerics. A drafter only proposes; the target's logits choose every
+        emitted token, so the drafter's rounding changes how many tokens a step accepts, never which. Exact products
+        in the drafter cost 4 ms of a 24.6 ms DDTree-22 step on an H200 (scripts/results/gpu_step_profile_h200_
+        exact_nov27.txt: XLA's bf16 product of 16 rows runs at a fifth of the bf16-to-float32 one's speed)."""
+        return dataclasses.replace(self, numerics="fast")
+
     def describe(self) -> str:
         """One line for --stats: the kernel set and its choices."""
         if self.impl == "reference":
@@ -192,7 +201,7 @@ class EngineConfig:
     # the top-1 chain alone (every node goes to it), so a small budget would be chain decoding, not a tree.
     chain_seed: bool | None = None
     max_ctx: int = 4096  # committed tokens the caches hold (prompt + generated)
-    kv_dtype: str = "float32"
+    kv_type: str = "f32"  # the target's KV cache (dflash_jax/kv_quant.py)
     # what a sampled step builds its tree from (dflash_jax.engine.sampling.draft_scores); greedy uses the logits
     draft_rule: str = "coupled"
 
@@ -203,7 +212,7 @@ class EngineConfig:
                f"tokens; at most {MAX_TREE_NODES} are supported)")
         _check(self.topk >= 1, f"topk {self.topk} must be at least 1 (a top-K wider than the budget is cut to it)")
         _check(self.max_ctx >= 2, f"max_ctx {self.max_ctx} must be at least 2")
-        _check(self.kv_dtype in KV_DTYPES, f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        _check(self.kv_type in KV_TYPES, f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         _check(self.draft_rule in DRAFT_RULES,
                f"draft_rule {self.draft_rule!r} is not one of {', '.join(DRAFT_RULES)}")
 

@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 
-from dflash_jax.config import DRAFT_RULES, IMPLS, KV_DTYPES, NUMERICS, ConfigError, EngineConfig, KernelConfig
+from dflash_jax.config import DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, ConfigError, EngineConfig, KernelConfig
 
 DEVICE_CLASSES = ("cpu", "gpu", "hopper")
 
@@ -23,7 +23,7 @@ class DeviceDefaults:
     impl: str  # KernelConfig.impl
     mgpu_ar: str  # KernelConfig.mgpu in ar mode, whose products are of one token but for the prompt's
     mgpu_tree: str  # KernelConfig.mgpu in chain and ddtree modes (one-token products only at a prompt's end)
-    kv_dtype: str  # EngineConfig.kv_dtype
+    kv_type: str  # EngineConfig.kv_type
     budget: int  # EngineConfig.budget: DDTree nodes besides the root
     numerics: str  # KernelConfig.numerics
 
@@ -31,18 +31,18 @@ class DeviceDefaults:
 DEVICE_DEFAULTS = {
     # The reference path, float32 throughout (exact at no cost); budgets 4-12 without the chain seed beat 22 with it on
     # two CPU cores (docs/benchmarks.md)
-    "cpu": DeviceDefaults(impl="reference", mgpu_ar="off", mgpu_tree="off", kv_dtype="float32", budget=8,
+    "cpu": DeviceDefaults(impl="reference", mgpu_ar="off", mgpu_tree="off", kv_type="f32", budget=8,
                           numerics="exact"),
-    # GPUs before Hopper: the Triton kernels alone. Numerics "fast" for now: the exact gated delta rule's float32
-    # products made the 27B's AR step 9.76 -> 12.56 ms and its 23-node verify kernels 2.5 -> 6-14 ms on an H200
-    # (docs/architecture.md, "Numerics"); `--numerics exact` asks for them
-    "gpu": DeviceDefaults(impl="pallas", mgpu_ar="off", mgpu_tree="off", kv_dtype="bfloat16", budget=22,
-                          numerics="fast"),
+    # GPUs before Hopper: the Triton kernels alone. Numerics "exact" everywhere: speculative decoding emits what AR
+    # emits; it costs the 27B's steps on an H200 about 11 % (AR) and 25 % (DDTree-22), mostly the gated delta rule's
+    # float32 products (docs/architecture.md, "Numerics"); `--numerics fast` trades that exactness for the speed
+    "gpu": DeviceDefaults(impl="pallas", mgpu_ar="off", mgpu_tree="off", kv_type="bf16", budget=22,
+                          numerics="exact"),
     # Hopper (compute capability 9.x): every Q4_K/Q6_K product on the Mosaic GPU kernels alone, ar too (its step
     # 9.76 ms against 10.44 ms on the Triton layout's GEMV, H200: scripts/results/bench_27b_h200_config_mgpu_nov27.txt
     # and bench_27b_h200_config_triton_nov27.txt), so that every mode multiplies the same rounded weights
-    "hopper": DeviceDefaults(impl="pallas", mgpu_ar="only", mgpu_tree="only", kv_dtype="bfloat16", budget=22,
-                             numerics="fast"),
+    "hopper": DeviceDefaults(impl="pallas", mgpu_ar="only", mgpu_tree="only", kv_type="bf16", budget=22,
+                             numerics="exact"),
 }
 
 
@@ -104,14 +104,14 @@ def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | No
 
 
 def resolve_engine(mode: str = "ddtree", *, budget: int | None = None, topk: int = 8, chain_seed: bool | None = None,
-                   max_ctx: int = 4096, kv_dtype: str | None = None, draft_rule: str = "coupled",
+                   max_ctx: int = 4096, kv_type: str | None = None, draft_rule: str = "coupled",
                    device: str | None = None) -> EngineConfig:
-    """The EngineConfig of the decoding flags, a None taking the device class's default (budget, KV dtype)."""
+    """The EngineConfig of the decoding flags, a None taking the device class's default (budget, KV type)."""
     defaults = DEVICE_DEFAULTS[device or device_class()]
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    if kv_type is not None and kv_type not in KV_TYPES:
+        raise ConfigError(f"kv_type must be one of {', '.join(KV_TYPES)}; got {kv_type!r}")
     if draft_rule not in DRAFT_RULES:
         raise ConfigError(f"draft_rule must be one of {', '.join(DRAFT_RULES)}; got {draft_rule!r}")
     return EngineConfig(mode=mode, budget=defaults.budget if budget is None else budget, topk=topk,
-                        chain_seed=chain_seed, max_ctx=max_ctx, kv_dtype=kv_dtype or defaults.kv_dtype,
+                        chain_seed=chain_seed, max_ctx=max_ctx, kv_type=kv_type or defaults.kv_type,
                         draft_rule=draft_rule)

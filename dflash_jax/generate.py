@@ -25,12 +25,13 @@ import time
 from typing import Sequence
 
 from dflash_jax import assets
-from dflash_jax.config import DRAFT_RULES, KV_DTYPES, NUMERICS, EngineConfig, KernelConfig
+from dflash_jax.config import DRAFT_RULES, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, free_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
 from dflash_jax.engine.sampling import SamplingParams, seed_or_drawn
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
+from dflash_jax.kernels import check_kv_type
 from dflash_jax.load import (TargetFile, check_path, draft_config, load_draft, load_target, open_target,
                              target_tokenizer)
 from dflash_jax.profiling import CompileLog, StepTrace
@@ -187,12 +188,15 @@ def _backend() -> str:
 def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_rows: int | None = None
                   ) -> tuple[EngineConfig, KernelConfig]:
     """The engine and kernel configuration of the decoding flags (`f.mode`, `budget`, `topk`, `chain_seed`,
-    `max_ctx`, `kv_dtype`, `draft_rule`, `mgpu`, `numerics`), None flags taking the device class's defaults
-    (dflash_jax/defaults.py): the one resolution every command and benchmark goes through."""
+    `max_ctx`, `kv_type`, `draft_rule`, `mgpu`, `numerics`), None flags taking the device class's defaults
+    (dflash_jax/defaults.py): the one resolution every command and benchmark goes through. A KV type the kernels
+    cannot read is refused here, before any model loads."""
     ecfg = resolve_engine(f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed,
-                          max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_dtype=f.kv_dtype,
+                          max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_type=f.kv_type,
                           draft_rule=f.draft_rule)
-    return ecfg, resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics)
+    kcfg = resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics)
+    check_kv_type(ecfg.kv_type, kcfg)
+    return ecfg, kcfg
 
 
 def sampling_from_flags(f) -> SamplingParams:
@@ -240,7 +244,7 @@ def stats_line(ecfg: EngineConfig, engine: Engine, kcfg: KernelConfig, models: M
             f"{gen.prefill_s:.2f} s (with compiling); decode {sum(gen.accept_lengths)} tokens in {gen.decode_s:.2f} s "
             f"over {gen.steps} steps, acceptance length {gen.mean_accept_length:.2f}: first step "
             f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()} "
-            f"({device_class()}): {kcfg.describe()}; {ecfg.kv_dtype} KV cache; {sampling.describe()}")
+            f"({device_class()}): {kcfg.describe()}; {ecfg.kv_type} KV cache; {sampling.describe()}")
 
 
 def run(argv: Sequence[str]) -> int:
@@ -291,7 +295,7 @@ def run(argv: Sequence[str]) -> int:
                    accept_lengths=gen.accept_lengths, steps=gen.steps, mean_accept_length=gen.mean_accept_length,
                    stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
-                   steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, kv_dtype=ecfg.kv_dtype,
+                   steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, kv_type=ecfg.kv_type,
                    backend=_backend(), device_class=device_class(), kernels=dataclasses.asdict(kcfg),
                    sampling=dataclasses.asdict(sampling))
         if tracer is not None:
@@ -361,8 +365,10 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
                          flag_values=fv)
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.",
                          flag_values=fv)
-    flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV cache dtype (default: bfloat16 on a GPU, float32 on a "
-                      "CPU).", flag_values=fv)
+    flags.DEFINE_enum("kv_type", None, list(KV_TYPES), "The target's KV cache: f32, bf16 or f16, or quantized as "
+                      "it is written: q8_0 (8.5 bits a value), q4_0 (4.5) or rq3_0 (3.5, rotated); docs/kv_cache.md. "
+                      "Quantized types run on a CPU so far (the GPU attention kernel reads float caches). Default: "
+                      "bf16 on a GPU, f32 on a CPU.", flag_values=fv)
     flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K and Q6_K products on the Mosaic GPU "
                          "kernels, their layout replacing the Triton kernels'. Default: on on a Hopper GPU, else off "
                          "(--nomgpu).", flag_values=fv)

@@ -210,14 +210,18 @@ _DEQUANT: dict[str, Callable[..., jax.Array]] = {
 }
 
 
+def dequantize_blocks(fmt: str, data: dict[str, jax.Array]) -> jax.Array:
+    """The float32 values [..., blocks, block_size] of a quantized format's fields, each [..., blocks, count] (a
+    QTensor's, or a quantized KV cache's: dflash_jax/kv_quant.py)."""
+    return _DEQUANT[fmt](*(jnp.asarray(data[name]) for name, _, _ in FORMATS[fmt].fields))
+
+
 @jax.jit
 def dequantize(qt: QTensor) -> jax.Array:
     """The float32 [out, in] matrix a QTensor stores (bit-exact with gguf.quants.dequantize)."""
-    fmt = FORMATS[qt.fmt]
-    if fmt.dense:
+    if FORMATS[qt.fmt].dense:
         return _f32(qt.data["w"])
-    fields = [jnp.asarray(qt.data[name]) for name, _, _ in fmt.fields]
-    return _DEQUANT[qt.fmt](*fields).reshape(qt.shape)
+    return dequantize_blocks(qt.fmt, qt.data).reshape(qt.shape)
 
 
 def take_rows(qt: QTensor, rows: jax.Array) -> QTensor:

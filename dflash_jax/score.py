@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import assets
-from dflash_jax.config import KV_DTYPES, TargetConfig
+from dflash_jax.config import KV_TYPES, TargetConfig
 from dflash_jax.defaults import free_memory, host_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
 from dflash_jax.errors import InputError, brief, run_main
+from dflash_jax.kernels import check_kv_type
 from dflash_jax.load import Target, load_target, open_target, target_tokenizer
 from dflash_jax.models.target import init_state
 from dflash_jax.tokenizer import require_utf8
@@ -85,11 +86,14 @@ def read_ids(spec: str, flag: str = "--ids") -> np.ndarray:
     return ids
 
 
-def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_dtype: str = "float32") -> Score:
-    """Teacher-forced logits of every position of ids (a float32 KV cache by default, the reference precision)."""
+def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_type: str = "f32",
+          slots: int | None = None) -> Score:
+    """Teacher-forced logits of every position of ids (a float32 KV cache by default, the reference precision), in a
+    cache of `slots` (default: the sequence rounded up to the chunk; one size for sequences of several lengths
+    compiles the chunk once)."""
     cfg = model.config
     ids = check_tokens(cfg, ids)
-    state = init_state(cfg, slots=-(-len(ids) // chunk) * chunk, kv_dtype=jnp.dtype(kv_dtype))
+    state = init_state(cfg, slots=slots or -(-len(ids) // chunk) * chunk, kv_type=kv_type)
     logits = []
     for _, lg, _, state in prefill_chunks(model.params, cfg, state, ids, chunk=chunk, all_logits=True,
                                           kcfg=model.kcfg):
@@ -116,7 +120,7 @@ def out_path(out: str | None) -> str | None:
     return path
 
 
-def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_dtype: str) -> None:
+def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_type: str) -> None:
     """Refuse, before loading the weights, a sequence or chunk longer than the model's context, and logits or caches
     that would not fit the free memory."""
     context = cfg.max_position_embeddings
@@ -129,7 +133,7 @@ def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_dtype: str) -> None:
         raise InputError(f"the logits of {n} tokens need {logits / 2**30:.2f} GiB, but the host has "
                          f"{host / 2**30:.2f} GiB free")
     slots = -(-n // chunk) * chunk
-    shapes = jax.eval_shape(lambda: init_state(cfg, slots, jnp.dtype(kv_dtype)))
+    shapes = jax.eval_shape(lambda: init_state(cfg, slots, kv_type))
     cache, free = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)), free_memory()
     if free is not None and cache > free:
         raise InputError(f"the caches of {slots} tokens need {cache / 2**30:.2f} GiB, but the device has "
@@ -151,17 +155,19 @@ def run(argv: list[str]) -> int:
     out = out_path(f.out)
     ids = read_ids(f.ids) if f.ids is not None else None
     text = require_utf8(f.text, "--text") if f.text is not None else None
-    kv_dtype = resolve_engine(kv_dtype=f.kv_dtype).kv_dtype
+    kv_type = resolve_engine(kv_type=f.kv_type).kv_type
+    # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
+    kcfg = resolve_kernels("ddtree")
+    check_kv_type(kv_type, kcfg)
     t0 = time.perf_counter()
     target = open_target(f.target or assets.DEFAULT_TARGET)
     if ids is None:
         ids = np.asarray(target_tokenizer(target).encode(text))
     check_tokens(target.config, ids)
-    check_fits(target.config, len(ids), f.chunk, kv_dtype)
-    # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
-    model = load_target(target, kcfg=resolve_kernels("ddtree"))
+    check_fits(target.config, len(ids), f.chunk, kv_type)
+    model = load_target(target, kcfg=kcfg)
     t1 = time.perf_counter()
-    result = score(model, ids, chunk=f.chunk, kv_dtype=kv_dtype)
+    result = score(model, ids, chunk=f.chunk, kv_type=kv_type)
     t2 = time.perf_counter()
     if out:
         np.save(out, result.logits)
@@ -189,6 +195,6 @@ if __name__ == "__main__":
     flags.DEFINE_string("out", None, "Write the logits [n, vocab] float32 to this .npy file (.npy is added to a name "
                         "without it).")
     flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).", lower_bound=1)
-    flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV cache dtype (default: bfloat16 on a GPU, float32 on a "
-                      "CPU).")
+    flags.DEFINE_enum("kv_type", None, list(KV_TYPES), "KV cache type, as generate's --kv_type (default: bf16 on a "
+                      "GPU, f32 on a CPU).")
     app.run(main, flags_parser=lambda argv: parse_flags(argv, "score"))

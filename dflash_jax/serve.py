@@ -2,13 +2,13 @@
 
     python -m dflash_jax.serve --target Qwen3.5-27B-Q4_K_M.gguf --draft Qwen3.5-27B-DFlash --port 8000
 
-Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/messages and
-POST /v1/messages/count_tokens, streaming as server-sent events. Requests are served one at a time (batch 1) from a
-bounded queue; a request that extends the previous one's conversation continues from its state on the device, and
-one that extends an earlier snapshot (--prefix_cache_gb) from a copy of it.
-Requests may sample (temperature, top_p, top_k, min_p, seed; n choices); --temperature, --top_p, --top_k, --min_p
-and --seed are the defaults of requests that leave them out. Needs the `server` extra
-(`pip install "dflash-jax[server]"`).
+Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST
+/v1/messages and POST /v1/messages/count_tokens, streaming as server-sent events. Requests are served one at a time
+(batch 1) from a bounded queue; a request that extends the previous one's conversation continues from its state on
+the device, and one that extends an earlier snapshot (--prefix_cache_gb) from a copy of it. Requests may sample
+(temperature, top_p, top_k, min_p, seed; n choices); --temperature, --top_p, --top_k, --min_p and --seed are the
+defaults of requests that leave them out; --reasoning_budget N closes a reply's think block after N tokens. Needs the
+`server` extra (`pip install "dflash-jax[server]"`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def run(argv: Sequence[str]) -> int:
             _log("compiling (one short generation)...")
             engine.generate([0], 2)
         settings = Settings(models.tokenizer, f.model_name or model_name(target_path), f.max_ctx,
-                            models.target.config.vocab_size, f.n_gen, f.thinking, sampling, f.seed)
+                            models.target.config.vocab_size, f.n_gen, f.thinking, sampling, f.seed,
+                            f.reasoning_budget)
         cache = prefix_cache_bytes(f.prefix_cache_gb, engine.state_bytes(), free_memory())
         worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None,
                         prefix_cache_bytes=cache)
@@ -134,6 +135,8 @@ def define_flags() -> None:
     flags.DEFINE_float("prefix_cache_gb", None, "GiB of device memory for snapshots of earlier prompts and replies, "
                        "which later requests continue from (0: off, only the last request's state is reused; default: "
                        f"{DEFAULT_PREFIX_CACHE_GB:g}, or half the free memory if less).", lower_bound=0)
+    flags.DEFINE_integer("reasoning_budget", None, "Close the think block of a reply after this many tokens, for "
+                         "requests that give no budget (default: no limit).", lower_bound=1)
     flags.DEFINE_boolean("warmup", True, "Compile before listening, so the first request does not wait for it.")
 
 

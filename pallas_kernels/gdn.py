@@ -41,6 +41,15 @@ def _precision(interpret: bool, exact: bool):
     return jax.lax.Precision.HIGHEST if interpret or exact else jax.lax.Precision.DEFAULT
 
 
+def _block_v(block_n: int, exact: bool) -> int:
+    """State columns a program: float32 products spill a whole 128-column state out of registers, so exact takes
+    32 columns for one token (16 rows) and 64 for more (48 layers on an H200: 2.6 vs 4.5 ms at one token, 6.1 vs
+    13.7 ms at 23, scripts/results/gdn_exact_block_v_h200_nov27.txt); TF32 runs fastest with the whole state."""
+    if not exact:
+        return 128
+    return 32 if block_n <= 16 else 64
+
+
 def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
     """x[i] along axis by a masked sum (Triton tensors cannot be indexed)."""
     at = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) == i
@@ -97,15 +106,15 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
 @functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "num_warps", "num_stages", "interpret",
                                              "exact"))
 def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-               anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None, block_v: int = 128,
-               num_warps: int = 8, num_stages: int = 1, interpret: bool = False, exact: bool = True):
+               anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None,
+               block_v: int | None = None, num_warps: int = 8, num_stages: int = 1, interpret: bool = False, exact: bool = True):
     """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
 
     Returns (o [T, H, dv], v_new [T, H, dv], gamma [T, H]) and, with `final`, the state after the last token of
     the last block along its path [H, dk, dv]. block_n must be a power of two >= 16 (pad with tokens whose
     k, g, beta are 0 and which are nobody's ancestor). With `layer` (an operand: one compiled kernel serves every
     layer), s0 is the stacked state [layers, H, dk, dv] and the kernel reads that layer (a slice passed in would be
-    copied out first). Default tiles: the fastest of scripts/gdn_probe.py on an H100.
+    copied out first). Default tiles: the fastest of scripts/gdn_probe.py on an H100, block_v by `_block_v`.
     """
     if layer is None:
         s0, layer = s0[None], 0
@@ -115,7 +124,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     dv = v.shape[-1]
     if t_len % block_n or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{t_len} tokens do not split into blocks of a power of two >= 16 (block_n={block_n})")
-    block_v = min(block_v, dv)
+    block_v = min(block_v or _block_v(block_n, exact and not interpret), dv)
     if dv % block_v or dk % 16:
         raise ValueError(f"value dim {dv} must be a multiple of block_v={block_v}, key dim {dk} of 16")
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731

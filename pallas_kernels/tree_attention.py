@@ -14,13 +14,16 @@ epilogue merges them by log-sum-exp. Keys and values are read as stored (float32
 with float32 accumulation. The softmax weights p = exp(s - running max) go into the value product as two bf16 terms
 (`exact`, the default: hi + lo, about 16 significant bits): one bf16 term rounds p relative to a running max that
 depends on where the keys fall (in the prefix or in the block, and the split boundaries move with the committed
-length), so a position's output would depend on how many tokens were verified with it. Pallas Triton backend;
-`interpret=True` runs it on CPU for the tests.
+length), so a position's output would depend on how many tokens were verified with it. A quantized cache (a pytree of
+block fields, dflash_jax/kv_quant.py) is read tile by tile and turned into rows by the `dequantize` it comes with;
+that runs in interpret mode only, so far (the GPU wrapper refuses it). Pallas Triton backend; `interpret=True` runs
+it on CPU for the tests.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +66,8 @@ def default_splits(slots: int) -> int:
     return max(1, min(32, -(-slots // 1024)))
 
 
-def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, len_ref, layer_ref, q_ref, lo_ref,
-            mask_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, l_ref):
+def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, dequantize: Callable | None, len_ref,
+            layer_ref, q_ref, lo_ref, mask_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, l_ref):
     r_tile, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(r_tile * br, br)
     q = q_ref[h, rows, :]  # [br, d] bf16, scaled
@@ -111,8 +114,12 @@ def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, le
             s0 = jnp.minimum(want, slots - block_k)
             slot = s0 + jnp.arange(block_k)
             ok = (slot >= want) & (slot < end)
-            k = kc_ref[layer, pl.ds(s0, block_k), h, :]
-            v = vc_ref[layer, pl.ds(s0, block_k), h, :]
+            if dequantize is None:
+                k = kc_ref[layer, pl.ds(s0, block_k), h, :]
+                v = vc_ref[layer, pl.ds(s0, block_k), h, :]
+            else:  # [block_k, d] float32 from the tile of each block field
+                tile = lambda c: jax.tree.map(lambda r: r[layer, pl.ds(s0, block_k), h], c)  # noqa: E731
+                k, v = dequantize(tile(kc_ref)), dequantize(tile(vc_ref))
             visible = ok[None, :] & (slot[None, :] >= lo[:, None])
             return update(carry, k, v, visible)
 
@@ -124,25 +131,32 @@ def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, le
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "block_rows", "block_k", "num_warps", "num_stages",
-                                             "interpret", "exact"))
-def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array, k_blk: jax.Array,
+                                             "interpret", "exact", "dequantize"))
+def tree_attention(q: jax.Array, k_cache: Any, v_cache: Any, length: jax.Array, k_blk: jax.Array,
                    v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
                    splits: int | None = None, block_rows: int | None = None, block_k: int = 64, num_warps: int = 4,
-                   num_stages: int | None = None, interpret: bool = False, exact: bool = True) -> jax.Array:
+                   num_stages: int | None = None, interpret: bool = False, exact: bool = True,
+                   dequantize: Callable | None = None) -> jax.Array:
     """Attention of q [N, Hq, d] over k/v_cache [S, Hkv, d] slots prefix_lo[i]..length-1 and the block's own
     k/v_blk [N, Hkv, d] where blk_mask [N, N]; float32 [N, Hq, d]. Every query must see at least one key.
 
     With `layer`, k/v_cache are stacked [layers, S, Hkv, d] and the kernel reads that layer: a slice of a stack
     passed to the kernel would be copied out first. The layer is an operand, not a constant, so that one compiled
-    kernel serves every layer."""
+    kernel serves every layer. A quantized cache is a pytree of block fields, each [(layers,) S, Hkv, ...] with a
+    `.shape` of its rows, and `dequantize` maps a tile of it (each field [block_k, ...]) to rows [block_k, d]
+    (interpret mode only: the GPU kernel reads float caches)."""
+    if dequantize is not None and not interpret:
+        raise NotImplementedError("tree_attention: the Pallas GPU kernel does not read quantized KV caches yet")
     if layer is None:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-    if k_cache.ndim != 4:
+        k_cache, v_cache = (jax.tree.map(lambda x: x[None], c) for c in (k_cache, v_cache))
+        layer = 0
+    if len(k_cache.shape) != 4:
         raise ValueError(f"caches {k_cache.shape} with a layer: give stacked caches [layers, S, Hkv, d]")
     n, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     block_rows = block_rows or default_block_rows(s)
-    num_stages = num_stages or default_stages(block_k, d, jnp.dtype(k_cache.dtype).itemsize)
+    if num_stages is None:
+        num_stages = NUM_STAGES if dequantize else default_stages(block_k, d, jnp.dtype(k_cache.dtype).itemsize)
     if hq % hkv or k_blk.shape != (n, hkv, d) or v_cache.shape != k_cache.shape or v_blk.shape != k_blk.shape:
         raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, "
                          f"block {k_blk.shape} {v_blk.shape}")
@@ -151,8 +165,9 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     group = hq // hkv
     splits = splits or default_splits(s)
     if s < block_k:  # a cache smaller than one key block (tests, tiny contexts): pad it, it is small
-        k_cache, v_cache = (jnp.pad(jax.lax.dynamic_index_in_dim(c, layer, keepdims=True),
-                                    ((0, 0), (0, block_k - s), (0, 0), (0, 0))) for c in (k_cache, v_cache))
+        pad = lambda x: jnp.pad(jax.lax.dynamic_index_in_dim(x, layer, keepdims=True),  # noqa: E731
+                                ((0, 0), (0, block_k - s)) + ((0, 0),) * (x.ndim - 2))
+        k_cache, v_cache = (jax.tree.map(pad, c) for c in (k_cache, v_cache))
         layer = 0
     rows = n * group
     r_pad = pl.cdiv(rows, block_rows) * block_rows
@@ -165,7 +180,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     kb, vb = (jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, n_pad - n), (0, 0))) for x in (k_blk, v_blk))
     parts = splits + 1
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, splits, block_rows, block_k, exact, interpret),
+        functools.partial(_kernel, splits, block_rows, block_k, exact, interpret, dequantize),
         out_shape=(jax.ShapeDtypeStruct((hkv, parts, r_pad, d), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32)),

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"target": str(target.path), "draft": str(draft.path), "device": getattr(dev, "device_kind", str(dev)),
               "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
               "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": base.topk,
-              "chain_seed": {None: "auto", True: "on", False: "off"}[base.chain_seed], "kv_dtype": base.kv_dtype,
+              "chain_seed": {None: "auto", True: "on", False: "off"}[base.chain_seed], "kv_type": base.kv_type,
               "kernels": dataclasses.asdict(kcfg), "impl": kcfg.impl, "draft_rule": base.draft_rule, "sets": {}}
     sampling = sampling_settings(args)
     report["sampling"] = dataclasses.asdict(sampling)

@@ -13,7 +13,7 @@ contexts (a committed cache of random keys and values); peak device memory; comp
 The JSON is rewritten after each section (`--time_limit` keeps what finished); a table is printed last.
 `--model tiny` runs the same on a tiny random pair (a quick check, also on a CPU).
 
-The engine and kernel configuration come from the flags `generate` takes (--budget, --topk, --chain_seed, --kv_dtype,
+The engine and kernel configuration come from the flags `generate` takes (--budget, --topk, --chain_seed, --kv_type,
 --mgpu; plus --impl and --small_rows), resolved by the same function (dflash_jax/defaults.py): with no flags the
 benchmark runs what `generate` runs on this device, for a DDTree. The pair is laid out once, for the tree modes, and
 the AR rows run that layout too (every device class lays out ar as it does the tree modes). Each forced run records
@@ -39,9 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference,  # noqa: E402
                       fit_verify_cost)
 
+from exactness import margin  # noqa: E402
+
+from dflash_jax import kv_quant as kvq  # noqa: E402
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
+from dflash_jax.engine.sampling import GREEDY  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
@@ -199,8 +203,8 @@ def fake_context(state, length: int, seed: int = 0):
     timing long contexts without prefilling them; GDN and conv state stay as they were."""
     key = jax.random.key(seed)
 
-    def rand(x, i):
-        return (jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) * 0.5).astype(x.dtype)
+    def rand(x, i):  # in the cache's KV type (cast or quantized)
+        return kvq.stored(jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) * 0.5, x)
 
     t = state.target
     t = dataclasses.replace(t, k=rand(t.k, 0), v=rand(t.v, 1), length=jnp.int32(length))
@@ -353,7 +357,7 @@ def run(args: argparse.Namespace) -> None:
     log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s")
     base, kcfg = engine_settings(args)  # what `generate` runs with the same flags (a DDTree; AR rows below)
     res["engine"], res["kernels"] = dataclasses.asdict(base), dataclasses.asdict(kcfg)
-    log(f"{kcfg.describe()}; {base.kv_dtype} KV cache, DDTree budget {base.budget}")
+    log(f"{kcfg.describe()}; {base.kv_type} KV cache, DDTree budget {base.budget}")
     target, draft, info = make_models(args.model, kcfg, log)
     res["models"] = info | {"memory_after_load": memory()}
     log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "
@@ -454,11 +458,14 @@ def run(args: argparse.Namespace) -> None:
                        differs_from_ar_at=row["differs_from_ar_at"])
             if not res["steps"]:
                 res["oracle_ms"] = oracle_ms(engine, args.iters)
-            res["steps"].append(row)
             diff = row["differs_from_ar_at"]
+            if diff is not None:  # a near-tie, or a break of exactness: the top-2 logit gap there tells which
+                row["margin_at_difference"] = margin(target, prompt, sequence[:diff], GREEDY, base.kv_type)
+            res["steps"].append(row)
+            at = "" if diff is None else f" (top-2 logit gap {row['margin_at_difference']['margin']:.2g})"
             log(f"{mode} {budget}: step {row['step_ms']:.2f} ms ({row['step_over_ar']:.2f} x AR), AL "
                 f"{row['accept_length']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
-                f"{'equal to AR' if diff is None else f'differs from AR at token {diff}'}; phases " +
+                f"{'equal to AR' if diff is None else f'differs from AR at token {diff}{at}'}; phases " +
                 ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "verify_tokens"))
             save()
 

@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DRAFT_RULES, IMPLS, KV_DTYPES, NUMERICS, EngineConfig, KernelConfig
+from dflash_jax.config import DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
 from dflash_jax.generate import resolve_flags
 
 
@@ -29,7 +29,7 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--chain_seed", action=argparse.BooleanOptionalAction, default=None,
                     help="seed the DDTree with the draft's top-1 chain (default: when the budget exceeds its depth)")
-    ap.add_argument("--kv_dtype", choices=KV_DTYPES, default=None, help="KV cache dtype (default: the device's)")
+    ap.add_argument("--kv_type", choices=KV_TYPES, default=None, help="KV cache type (default: the device's)")
     ap.add_argument("--impl", choices=("auto",) + IMPLS, default="auto",
                     help="kernels: auto (the device's), reference, pallas (interpret mode on a CPU)")
     ap.add_argument("--mgpu", action=argparse.BooleanOptionalAction, default=None,

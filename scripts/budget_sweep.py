@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [tok.encode(text) for spec in args.sets.split(",") for _, text in prompt_sets.load(spec, args.limit)]
         stops, name = tok.stop_ids, f"{Path(target_path).name} + {Path(draft_path).name}, {args.sets}"
         max_ctx = -(-(max(map(len, prompts)) + args.n_gen) // 256) * 256
-    report = {**environment(), "kernels": dataclasses.asdict(kcfg), "kv_dtype": base.kv_dtype, "n_gen": args.n_gen,
+    report = {**environment(), "kernels": dataclasses.asdict(kcfg), "kv_type": base.kv_type, "n_gen": args.n_gen,
               "prompts": len(prompts),
               "title": f"{name}: {len(prompts)} prompt(s), n_gen {args.n_gen}; {jax.devices()[0].device_kind}, jax "
                        f"{jax.__version__}, {time.strftime('%Y-%m-%d')}",

@@ -29,7 +29,7 @@ from benchlib import (add_engine_flags, add_pair_flags, engine_settings, environ
                       load_pair, sampling_settings)
 
 
-def margin(target, prompt: list[int], common: list[int], sp, kv_dtype: str) -> dict:
+def margin(target, prompt: list[int], common: list[int], sp, kv_type: str) -> dict:
     """The decision margin at the token after prompt + common: top-2 gap of the logits or the perturbed scores."""
     import jax.numpy as jnp
 
@@ -37,7 +37,7 @@ def margin(target, prompt: list[int], common: list[int], sp, kv_dtype: str) -> d
     from dflash_jax.score import score
 
     ids = np.asarray(prompt + common)
-    logits = jnp.asarray(score(target, ids, kv_dtype=kv_dtype).logits[-1:])
+    logits = jnp.asarray(score(target, ids, kv_type=kv_type).logits[-1:])
     scores = logits
     if not sp.greedy:
         noise = gumbel_noise(jnp.uint32(sp.seed), jnp.asarray([len(ids)]), logits.shape[-1])
@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     target, draft, tok = load_pair(args, kcfg)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     report = {**environment(), "target": str(target.path), "draft": str(draft.path), "n_gen": args.n_gen,
-              "sampling": dataclasses.asdict(sp), "kernels": dataclasses.asdict(kcfg), "kv_dtype": base.kv_dtype,
+              "sampling": dataclasses.asdict(sp), "kernels": dataclasses.asdict(kcfg), "kv_type": base.kv_type,
               "command": " ".join(["scripts/exactness.py", *(argv if argv is not None else sys.argv[1:])]),
               "sets": {}}
     lines = [f"# {report['device']} ({report['backend']}), jax {report['jax']}, {report['date']}; "
-             f"{sp.describe()}; n_gen {args.n_gen}; {kcfg.describe()}; {base.kv_dtype} KV cache"]
+             f"{sp.describe()}; n_gen {args.n_gen}; {kcfg.describe()}; {base.kv_type} KV cache"]
     for spec in args.sets.split(","):
         prompts = [tok.encode(text) for _, text in prompt_sets.load(spec, args.limit)]
         max_ctx = -(-(max(map(len, prompts)) + args.n_gen) // 256) * 256
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                 at = first_difference(got, want)
                 if at is not None:
                     diverged.append({"prompt": i, "position": at,
-                                     **margin(target, prompts[i], want[:at], sp, base.kv_dtype)})
+                                     **margin(target, prompts[i], want[:at], sp, base.kv_type)})
             label = f"{mode} {budget or ''}".strip()
             rows.append({"mode": mode, "budget": budget or None, "same_as_ar": len(prompts) - len(diverged),
                          "prompts": len(prompts), "diverged": diverged})

@@ -568,6 +568,8 @@ def _flag_cases() -> list[Case]:
                                                              *PROMPT, "--max_ctx", "1000000000"), ("--max_ctx",)),
         _flag_case("prompt past the context", lambda d: generate(*ar, "--raw", "--prompt", "x " * 30_000),
                    ("prompt of",)),
+        _flag_case("kv_type unknown", lambda d: generate(*ar, *PROMPT, "--kv_type", "q3_0"), ("--kv_type",)),
+        _flag_case("score kv_type unknown", lambda d: score("--ids", "1,2", "--kv_type", "fp8"), ("--kv_type",)),
         _flag_case("score chunk 0", lambda d: score("--ids", "1,2", "--chunk", "0"), ("--chunk",)),
         _flag_case("score chunk -1", lambda d: score("--ids", "1,2", "--chunk", "-1"), ("--chunk",)),
         _flag_case("score chunk past the context", lambda d: score("--ids", "1,2", "--chunk", "100000"),

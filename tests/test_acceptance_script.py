@@ -26,6 +26,6 @@ def test_acceptance_script_measures_each_configuration(tiny_gguf_path, tmp_path,
     # a budget-3 tree emits at most 4 per step
     assert rows[0]["al"] == 1.0 and rows[0]["steps"] == rows[0]["decoded"] and len(rows[2]["histogram"]) == 4
     # with no engine flags, the configuration a user's `generate` runs on this machine (a CPU)
-    assert (report["kernels"]["impl"], report["kv_dtype"], report["chain_seed"]) == ("reference", "float32", "auto")
+    assert (report["kernels"]["impl"], report["kv_type"], report["chain_seed"]) == ("reference", "f32", "auto")
     table = (tmp_path / "r.txt").read_text()
     assert table == capsys.readouterr().out.rstrip("\n") + "\n" and "ddtree      3" in table and "1.00x" in table

@@ -42,7 +42,7 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert step["mode"] == "ddtree" and step["budget"] == 4 and step["phases_ms"]["verify_tokens"] == 5
     assert all(step["phases_ms"][k] > 0 for k in ("draft", "tree", "verify", "accept_commit"))
     assert any("_step" in r["name"] for r in res["compile"])
-    assert res["kernels"]["impl"] == "reference" and res["engine"]["kv_dtype"] == "float32"  # a CPU's defaults
+    assert res["kernels"]["impl"] == "reference" and res["engine"]["kv_type"] == "f32"  # a CPU's defaults
     printed = capsys.readouterr().out
     assert "forced DDTree-4: AL" in printed and " ddtree      4 " in printed
     merged = tmp_path / "merged.json"
@@ -100,8 +100,8 @@ def test_bench_resolves_the_configuration_generate_resolves():
     generate.define_flags(fv)
     fv(["generate"])
     assert engine_settings(bench.parse_args(["--out", "x.json"])) == generate.resolve_flags(fv, max_ctx=4096)
-    for flagged in (["--budget", "5", "--topk", "3", "--chain_seed", "--kv_dtype", "bfloat16", "--nomgpu"],
-                    ["--budget", "30", "--nochain_seed", "--kv_dtype", "float32"]):
+    for flagged in (["--budget", "5", "--topk", "3", "--chain_seed", "--kv_type", "bf16", "--nomgpu"],
+                    ["--budget", "30", "--nochain_seed", "--kv_type", "f32"]):
         fv(["generate", *flagged])
         assert engine_settings(bench.parse_args(["--out", "x.json", *flagged])) == generate.resolve_flags(
             fv, max_ctx=4096)

@@ -20,13 +20,13 @@ def test_this_machine_gets_its_row_of_the_table():
     if device == "cpu":
         assert resolve_kernels() == KernelConfig(impl="reference", interpret=False, mgpu="off", small_rows=64,
                                                  numerics="exact")
-        assert resolve_engine() == EngineConfig(mode="ddtree", budget=8, kv_dtype="float32")
+        assert resolve_engine() == EngineConfig(mode="ddtree", budget=8, kv_type="f32")
 
 
 @pytest.mark.parametrize("device, want", [
     ("cpu", ("reference", False, "off", "off", "exact")),
-    ("gpu", ("pallas", False, "off", "off", "fast")),
-    ("hopper", ("pallas", False, "only", "only", "fast")),  # every mode multiplies the same rounded weights
+    ("gpu", ("pallas", False, "off", "off", "exact")),
+    ("hopper", ("pallas", False, "only", "only", "exact")),  # every mode multiplies the same rounded weights
 ])
 def test_each_device_class_gets_its_row_of_the_table(device, want):
     impl, interpret, ar_layout, tree_layout, numerics = want
@@ -35,8 +35,8 @@ def test_each_device_class_gets_its_row_of_the_table(device, want):
     assert {k.numerics for k in got.values()} == {numerics}
     assert [got[m].mgpu for m in MODES] == [ar_layout, tree_layout, tree_layout]
     ecfg = resolve_engine("ddtree", device=device)
-    assert (ecfg.kv_dtype, ecfg.budget) == (DEVICE_DEFAULTS[device].kv_dtype, DEVICE_DEFAULTS[device].budget)
-    assert (ecfg.kv_dtype, ecfg.budget) == (("float32", 8) if device == "cpu" else ("bfloat16", 22))
+    assert (ecfg.kv_type, ecfg.budget) == (DEVICE_DEFAULTS[device].kv_type, DEVICE_DEFAULTS[device].budget)
+    assert (ecfg.kv_type, ecfg.budget) == (("f32", 8) if device == "cpu" else ("bf16", 22))
 
 
 def test_flags_override_the_table():
@@ -49,9 +49,9 @@ def test_flags_override_the_table():
     assert resolve_kernels(impl="pallas", device="cpu") == KernelConfig(impl="pallas", interpret=True)
     assert resolve_kernels(impl="reference", device="hopper").mgpu == "off"
     assert resolve_kernels(small_rows=0, device="gpu").small_rows == 0
-    ecfg = resolve_engine("chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_dtype="bfloat16",
+    ecfg = resolve_engine("chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_type="bf16",
                           draft_rule="tempered", device="cpu")
-    assert ecfg == EngineConfig(mode="chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_dtype="bfloat16",
+    assert ecfg == EngineConfig(mode="chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_type="bf16",
                                 draft_rule="tempered")
 
 
@@ -60,7 +60,7 @@ def test_flags_override_the_table():
     (lambda: resolve_kernels(mgpu=True, device="cpu"), "needs a Hopper GPU"),
     (lambda: resolve_kernels(impl="triton"), "impl must be one of auto, reference, pallas"),
     (lambda: resolve_kernels(device="tpu"), "device class 'tpu'"),
-    (lambda: resolve_engine(kv_dtype="float16"), "kv_dtype must be one of float32, bfloat16"),
+    (lambda: resolve_engine(kv_type="fp8"), "kv_type must be one of f32, bf16, f16, q8_0, q4_0, rq3_0"),
     (lambda: resolve_engine(draft_rule="greedy"), "draft_rule must be one of coupled, tempered, plain"),
     (lambda: resolve_kernels(numerics="approx"), "numerics must be one of exact, fast"),
     (lambda: KernelConfig(numerics="approx"), "numerics 'approx'"),

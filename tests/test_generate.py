@@ -36,6 +36,18 @@ def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
     assert runs["ddtree"]["prompt_ids"] == np.load(TINY / "tokens.npy").tolist()
 
 
+def test_a_quantized_kv_cache_from_the_command_line(tiny_gguf_path, jit_cache):
+    """--kv_type q8_0 (chain mode, which the test above leaves to test_engine) decodes the reference's greedy ids;
+    --json and --stats name the type."""
+    want = np.load(TINY / "ref.npz")["hf_q_greedy"][:12].tolist()
+    proc = generate("--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--prompt_ids",
+                    str(TINY / "tokens.npy"), "--n_gen", "12", "--mode", "chain", "--kv_type", "q8_0", "--json",
+                    "--stats", jit_cache=jit_cache)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["tokens"] == want and out["kv_type"] == "q8_0" and "; q8_0 KV cache;" in proc.stderr
+
+
 def test_the_quick_start_sampled_prints_the_same_text_in_every_mode(jit_cache):
     """The README's first command with --temperature 0.7 --seed 1: one text in every mode; --json reports the seed,
     which a run without --seed draws and reports."""
@@ -67,10 +79,10 @@ def test_default_pair_streams_text_and_stats(jit_cache):
     out = json.loads(raw.stdout)
     assert (out["budget"], out["topk"], out["chain_seed"]) == (8, 8, False)
     # the configuration it ran, as dflash_jax/defaults.py resolves it for a CPU
-    assert (out["device_class"], out["kv_dtype"]) == ("cpu", "float32")
+    assert (out["device_class"], out["kv_type"]) == ("cpu", "f32")
     assert out["kernels"] == {"impl": "reference", "interpret": False, "mgpu": "off", "small_rows": 64,
                               "numerics": "exact"}
-    assert "reference kernels (jnp and XLA); float32 KV cache" in proc.stderr
+    assert "reference kernels (jnp and XLA); f32 KV cache" in proc.stderr
     from dflash_jax.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(assets.DEFAULT_TARGET)
     assert out["text"] == tok.decode([t for t in out["tokens"] if t not in tok.stop_ids])
@@ -109,7 +121,7 @@ def _other_arch(tiny_gguf_path, tmp_path):
     (lambda g, t: ["--profile", "", "--prompt", "hi"], "--profile needs a directory"),
     (lambda g, t: ["--profile", str(g), "--prompt", "hi"], "exists and is not a directory"),
     (lambda g, t: ["--target", str(g), "--mode", "ar", "--mgpu", "--prompt", "hi"], r"\(--mgpu\) needs a Hopper GPU"),
-    (lambda g, t: ["--kv_dtype", "fp8", "--prompt", "hi"], "flag --kv_dtype=fp8"),
+    (lambda g, t: ["--kv_type", "fp8", "--prompt", "hi"], "flag --kv_type=fp8"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tiny_gguf_path, tmp_path, args, message):
     import re

@@ -1,21 +1,30 @@
 """The prefix cache: snapshots of decode states that later prompts continue from. The cache's lookup and eviction
-alone; snapshots restored bit for bit, and a run from one equal to a fresh run (greedy and sampled); the server with
-the real `openai` and `anthropic` clients: conversations that share a system prompt, a conversation that comes back
-after another, eviction under a small budget; serve's budget flag."""
+alone; snapshots restored bit for bit, and a run from one equal to a fresh run (greedy and sampled; a q8_0 cache's
+blocks too); the server with the real `openai` and `anthropic` clients: conversations that share a system prompt
+(chat, Messages, Responses), a conversation that comes back after another, eviction under a small budget; serve's
+budget flag."""
 
+import anthropic
+import jax
 import numpy as np
 import openai
 import pytest
 
+from dflash_jax import kv_quant as kvq
+from dflash_jax.chat_template import render
 from dflash_jax.config import EngineConfig
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.sampling import SamplingParams
 from dflash_jax.engine.state import PAGE, Mark, Snapshot
 from dflash_jax.generate import UsageError
+from dflash_jax.load import load_draft, load_target
 from dflash_jax.serve import prefix_cache_bytes
+from dflash_jax.server import budget
 from dflash_jax.server.prefix_cache import PrefixCache
+from dflash_jax.server.reply import THINK_CLOSE
 from test_engine import TCFG, random_drafters, tparams  # noqa: F401 (fixtures)
 from test_server import Server, claude, oai  # noqa: F401 (fixtures, on this module's server)
+from test_server_tools import QWEN35, blocks
 
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
 
@@ -80,11 +89,18 @@ def engine_for(mode, tparams, random_drafters):
     return Engine(TCFG, tparams, ecfg, *random_drafters["full"]) if mode != "ar" else Engine(TCFG, tparams, ecfg)
 
 
+def rows(cache, n: int) -> np.ndarray:
+    """Slots 0..n-1 of a cache: a float cache's values, a block cache's blocks as llama.cpp's bytes (every field)."""
+    if isinstance(cache, kvq.KVBlocks):
+        return kvq.block_bytes(jax.tree.map(lambda x: x[:, :n], cache))
+    return np.asarray(cache[:, :n])
+
+
 def held(state) -> dict:
     """What a later step reads of a state's caches: the target's and the drafter's (if any) slots below the committed
     length, the recurrent state and the lengths."""
     t, n = state.target, int(state.target.length)
-    out = dict(k=t.k[:, :n], v=t.v[:, :n], conv=t.conv, ssm=t.ssm, length=t.length)
+    out = dict(k=rows(t.k, n), v=rows(t.v, n), conv=t.conv, ssm=t.ssm, length=t.length)
     if state.draft is not None:
         d, m = state.draft, int(state.draft.length)
         out.update(dk=d.k[:, :m], dv=d.v[:, :m], dlength=d.length)
@@ -156,6 +172,39 @@ def test_a_run_from_a_snapshot_says_what_a_fresh_run_says(tparams, random_drafte
     assert resumed.tokens == engine.generate(whole, 8, sampling=sampling).tokens
 
 
+@pytest.fixture(scope="module")
+def q8_0_engine(tiny_gguf_path):
+    target = load_target(tiny_gguf_path, progress=False)
+    draft = load_draft(tiny_gguf_path.parent / "draft-full", target.config, progress=False)
+    return Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=CTX, kv_type="q8_0"))
+
+
+def test_a_snapshot_of_a_q8_0_cache_copies_its_blocks_and_decodes_alike(q8_0_engine):
+    """Under q8_0 (the fixture pair, two blocks of 32 a row) the target's cache is a KVBlocks of scales and codes: a
+    snapshot copies each field's rows, costs 34 bytes a block (the drafter's bf16 rows beside them), restores bit for
+    bit and zero past its length, and a run from it generates what a fresh run generates, greedy and sampled."""
+    engine = q8_0_engine
+    ids = ids_of(6, 300)
+    gen = engine.generate(ids, 8, snapshot_at=(100, 300), mark_at=100)
+    short, long = gen.snapshots
+    assert isinstance(short.pages[0][0], kvq.KVBlocks) and isinstance(gen.state.target.k, kvq.KVBlocks)
+    t, d = engine.tcfg, engine.drafter.config
+    row_bytes = (2 * len(t.full_attention_layers) * t.num_kv_heads * t.head_dim // 32 * 34
+                 + 2 * d.num_layers * d.num_kv_heads * d.head_dim * 2)
+    for snap, pages in ((short, 1), (long, 2)):
+        assert snap.nbytes == gen.mark.conv.nbytes + gen.mark.ssm.nbytes + 4 + pages * PAGE * row_bytes
+    assert_same(engine.restore(short), engine.start(ids[:100], 1)[0])
+    restored = engine.restore(long)
+    assert_same(restored, engine.generate(ids, 1, mark_at=100).state)  # prefilled in the same two parts
+    assert not any(np.asarray(x[:, 300:]).any() for x in jax.tree.leaves((restored.target.k, restored.target.v)))
+    end = engine.snapshot(gen.state)
+    assert_same(engine.restore(end), gen.state)
+    for sampling in (SamplingParams(), SAMPLED):
+        tail = ids_of(7, 40)
+        resumed = engine.generate(tail, 8, after=engine.restore(short), keep_pending=False, sampling=sampling)
+        assert resumed.tokens == engine.generate(np.concatenate([ids[:100], tail]), 8, sampling=sampling).tokens
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The server's prefix cache, through the clients
 
@@ -201,6 +250,27 @@ def test_conversations_sharing_a_system_prompt_prefill_only_their_own_part(serve
     assert third.usage.cache_read_input_tokens == common and third.usage.input_tokens == len(ids[2]) - common
 
 
+def test_responses_sharing_instructions_prefill_only_their_own_part(server, oai):
+    """The Responses API takes snapshots where chat does: a second request with the same instructions (or the same
+    text as a leading developer item) continues from the first one's system-turn snapshot and answers what a fresh run
+    answers."""
+    system = system_prompt("queues")
+    texts = ("Write a queue.", "Explain a deque.", "Name a priority queue.")
+    ids = [server.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": t}]) for t in texts]
+    common = shared_prefix(ids[0], ids[1])
+    assert common == shared_prefix(ids[0], ids[2]) > 100
+    first = oai.responses.create(model="tiny", instructions=system, input=texts[0], max_output_tokens=6)
+    assert first.output_text == server.expect(ids[0], 6)[0] and first.usage.input_tokens_details.cached_tokens == 0
+    second = oai.responses.create(model="tiny", instructions=system, input=texts[1], max_output_tokens=6)
+    assert second.output_text == server.expect(ids[1], 6)[0]
+    assert second.usage.input_tokens_details.cached_tokens == common
+    assert f"{len(ids[1])} prompt tokens ({common} reused, {len(ids[1]) - common} prefilled" in server.logs[-1]
+    third = oai.responses.create(model="tiny", input=[{"role": "developer", "content": system},
+                                                      {"role": "user", "content": texts[2]}], max_output_tokens=6)
+    assert third.output_text == server.expect(ids[2], 6)[0]
+    assert third.usage.input_tokens_details.cached_tokens == common
+
+
 @pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "sampled"])
 def test_a_conversation_comes_back_after_another_to_its_snapshot(server, oai, sampling):
     """A's first turn, then another conversation, then A's next turn: A continues from the snapshot at its reply's end
@@ -234,6 +304,51 @@ def test_a_completion_comes_back_to_where_its_reply_ended(server, oai):
     longer = prompt + tokens + server.tok.encode("    def put(self, x):")
     r = oai.completions.create(model="tiny", prompt=longer, max_tokens=6)
     assert r.choices[0].text == server.expect(longer, 6)[0] and cached(r) == len(prompt) + len(tokens) - 1
+
+
+def budgeted(srv, ids, n, limit) -> list[dict]:
+    """The content blocks of a reply whose think block a budget of n closes: the engine's first n tokens, then its
+    continuation of the prompt, those tokens and the closing text (as test_server_reasoning)."""
+    close = srv.tok.encode(budget.CLOSE_TEXT)
+    first = srv.engine.generate(ids, n, srv.tok.stop_ids)
+    assert len(first.tokens) == n and THINK_CLOSE not in srv.tok.decode(first.tokens)
+    rest = srv.engine.generate(ids + first.tokens + close, limit - n - len(close), srv.tok.stop_ids)
+    return [{"type": "thinking", "thinking": srv.tok.decode(first.tokens).strip(), "signature": ""},
+            {"type": "text", "text": srv.tok.decode(rest.tokens, skip_stops=True).lstrip(), "citations": None}]
+
+
+def test_snapshots_of_a_reply_under_a_reasoning_budget_serve_later_requests(tiny_gguf_path):
+    """A reply whose think block the budget closes runs the engine twice; the snapshots of its prompt (taken by the
+    first run) serve another conversation with the same system prompt, then the conversation's own next turn, both
+    answering what fresh runs answer (Qwen3.5's template, thinking on)."""
+    srv = Server(tiny_gguf_path, chat_template=QWEN35, max_ctx=SERVER_CTX, prefix_cache_bytes=2**30)
+    try:
+        client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+        system, n, limit = system_prompt("heaps"), 4, 14
+        thinking = {"type": "enabled", "budget_tokens": n}
+
+        def ask(messages):
+            return client.messages.create(model="tiny", system=system, messages=messages, max_tokens=limit,
+                                          thinking=thinking)
+
+        def ids(messages):
+            return srv.tok.encode(render([{"role": "system", "content": system}] + messages, QWEN35,
+                                         enable_thinking=True))
+
+        turn1 = [{"role": "user", "content": "Write a heap."}]
+        first = ask(turn1)
+        assert blocks(first) == budgeted(srv, ids(turn1), n, limit) and first.usage.cache_read_input_tokens == 0
+        other = [{"role": "user", "content": "Explain a trie."}]
+        second = ask(other)
+        assert blocks(second) == budgeted(srv, ids(other), n, limit)
+        assert second.usage.cache_read_input_tokens == shared_prefix(ids(turn1), ids(other)) > 100
+        turn2 = turn1 + [{"role": "assistant", "content": first.content[1].text}, {"role": "user", "content": "More."}]
+        third = ask(turn2)  # from the snapshot where turn 1's prompt parts from its next turn
+        assert blocks(third) == budgeted(srv, ids(turn2), n, limit)
+        assert third.usage.cache_read_input_tokens == shared_prefix(ids(turn1), ids(turn2)) > shared_prefix(
+            ids(turn1), ids(other))
+    finally:
+        srv.close()
 
 
 def test_snapshots_are_evicted_least_recently_used_first_within_the_budget(server, tiny_gguf_path, oai):

@@ -31,7 +31,8 @@ MAX_QUEUE = 20
 class GatedEngine:
     """The server's engine behind a gate the test can close, to hold the worker inside a request; a `fault` the test
     sets is raised in the next request, after its first tokens went out; a `script` of token ids the test sets is the
-    next request's reply instead of the model's (a forced reply, ended by a stop token; no state is kept)."""
+    next request's reply instead of the model's (a forced reply, ended by a stop token, streamed a token at a time; no
+    state is kept)."""
 
     def __init__(self, engine):
         self.engine, self.open, self.entered = engine, threading.Event(), threading.Event()
@@ -46,7 +47,8 @@ class GatedEngine:
         if script is not None:
             from dflash_jax.engine.generate import Generation
             tokens = (list(script) + [stop_ids[0]])[:n_gen]
-            on_tokens(tokens)
+            for token in tokens:
+                on_tokens([token])
             return Generation(tokens, [len(tokens)], 0, 0.0, 0.0, stopped=tokens[-1] in stop_ids)
 
         def failing(new):

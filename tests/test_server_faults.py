@@ -253,8 +253,13 @@ def test_a_second_turn_reuses_the_first_with_thinking_off(server, oai, claude):
     but renders that reply into turn 2's history without it, so turn 2's ids do not extend turn 1's. The worker
     marked turn 1's state where the template's next turn parts from it, and turn 2 reuses it up to there, as much as
     the two prompts share; the same with thinking on and through the Anthropic API. The answers are the engine's on
-    the whole conversation."""
+    the whole conversation (with thinking on, the reply starts inside the think block: reasoning_content)."""
+    from dflash_jax.server.reply import split_reasoning
     from dflash_jax.server.request import chat_prompt
+
+    def read(r):
+        message = r.choices[0].message
+        return (message.model_extra or {}).get("reasoning_content", ""), message.content
 
     system = "You are a careful Python programmer who writes short, well-tested functions."
     for thinking in (False, True):
@@ -262,13 +267,13 @@ def test_a_second_turn_reuses_the_first_with_thinking_off(server, oai, claude):
         extra = {"chat_template_kwargs": {"enable_thinking": True}} if thinking else None
         ids1 = chat_prompt(server.settings, question, thinking)
         first = oai.chat.completions.create(model="tiny", messages=question, max_tokens=4, extra_body=extra)
-        assert first.choices[0].message.content == server.expect(ids1, 4)[0]
+        assert read(first) == split_reasoning(server.expect(ids1, 4)[0], thinking)
         history = question + [{"role": "assistant", "content": first.choices[0].message.content},
                               {"role": "user", "content": "And another one."}]
         ids2 = chat_prompt(server.settings, history, thinking)
         assert ids2[:len(ids1)] != ids1  # the case at issue: turn 2 does not extend turn 1
         second = oai.chat.completions.create(model="tiny", messages=history, max_tokens=4, extra_body=extra)
-        assert second.choices[0].message.content == server.expect(ids2, 4)[0]
+        assert read(second) == split_reasoning(server.expect(ids2, 4)[0], thinking)
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached == common_prefix(ids1, ids2) > len(server.tok.encode(system)), (thinking, cached)
     question = [{"role": "user", "content": "Write a stack class."}]

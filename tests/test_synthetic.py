@@ -68,7 +68,7 @@ def test_forced_drafter_sets_the_acceptance_without_recompiling(pair):
     target, draft, _ = pair
     prompt, n_gen = list(range(3, 40)), 40
     ar = Engine.from_loaded(target, None, EngineConfig(mode="ar", max_ctx=128)).generate(prompt, n_gen)
-    real = DFlashDrafter(draft.config, target.kcfg)
+    real = DFlashDrafter(draft.config, target.kcfg.drafter)
     ecfg = EngineConfig(mode="ddtree", budget=10, topk=4, max_ctx=128)
     engine = Engine(target.config, target.params, ecfg, ForcedDrafter(real, CFG.vocab_size), None)
     sequence = np.zeros(192, np.int32)

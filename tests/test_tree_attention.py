@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax import kv_quant as kvq
 from dflash_jax.testing.trees import random_ancestors
 from pallas_kernels import reference as ref
 from pallas_kernels.tree_attention import (LONG_CACHE, default_block_rows, default_splits, default_stages,
@@ -85,6 +86,31 @@ def test_layer_of_stacked_caches(slots):
     assert rel(tree_attention(*stacked, layer=layer, splits=2, interpret=not ON_GPU), want) < 1e-2
     with pytest.raises(ValueError, match="give stacked caches"):
         tree_attention(q, kc, vc, jnp.int32(length), kb, vb, blk, lo, layer=0, interpret=not ON_GPU)
+
+
+@pytest.mark.parametrize("kind, slots", [("f16", 40), ("q8_0", 130), ("q4_0", 40), ("rq3_0", 130)])
+def test_quantized_caches_are_read_tile_by_tile(kind, slots):
+    """A cache in each KV type (stacked, of which one layer is read; slots past the length hold large values; a cache
+    smaller than a key block, padded, or not a multiple of one):
+    interpret mode dequantizes each tile of block fields as it loads it, and matches the reference over the
+    dequantized cache. On a GPU the kernel refuses a block type (it reads float caches only)."""
+    n, length, layers, layer = 6, slots - 7, 2, 1
+    q, kc, vc, kb, vb = inputs(slots + 1, n, 4, 2, 64, slots)
+    kc, vc = (c.at[length:].set(1e3) for c in (kc, vc))
+    caches = [kvq.stored(jnp.stack([c * 2, c]), kvq.empty(kind, (layers, slots, 2, 64))) for c in (kc, vc)]
+    blk = jnp.asarray(random_ancestors(np.random.default_rng(slots), n))
+    lo = jnp.zeros(n, jnp.int32)
+    rows = [kvq.readable(c, layer) for c in caches]
+    want = ref.tree_attention(q, *rows, jnp.int32(length), kb, vb, blk, lo)
+    tiles = kvq.dequantize if kvq.kv_type(kind).blocked else None
+    args = (q, *caches, jnp.int32(length), kb, vb, blk, lo)
+    if ON_GPU and tiles:
+        with pytest.raises(NotImplementedError, match="does not read quantized KV caches"):
+            tree_attention(*args, layer=layer, dequantize=tiles)
+        return
+    got = tree_attention(*args, layer=layer, splits=2, interpret=not ON_GPU, dequantize=tiles)
+    assert bool(jnp.all(jnp.isfinite(got))) and rel(got, want) < 1e-2
+    assert rel(want, ref.tree_attention(q, kc, vc, jnp.int32(length), kb, vb, blk, lo)) < 0.3  # the type's own error
 
 
 def test_bad_shapes_raise():

@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import kv_quant as kvq
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
-from dflash_jax.kernels import REFERENCE
+from dflash_jax.kernels import REFERENCE, check_kv_type
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.target import init_state
 
@@ -85,6 +86,7 @@ class Engine:
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
         self.kcfg = kcfg
+        check_kv_type(ecfg.kv_type, kcfg)
         self.step = make_step(tcfg, self.drafter, ecfg, kcfg)
 
     @classmethod
@@ -94,15 +96,15 @@ class Engine:
             return cls(target.config, target.params, ecfg, kcfg=target.kcfg)
         dcfg = draft.config
         draft_model.check_pair(dcfg, target.config)
-        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.kcfg), draft.params,
+        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.kcfg.drafter), draft.params,
                    kcfg=target.kcfg)
 
     def _empty_states(self):
         """A fresh generation's (target state, drafter state or None). The target's has slack for the largest tree
         in every mode: one cache shape per max_ctx, so switching mode or budget does not compile the prefill again."""
-        kv_dtype = jnp.dtype(self.ecfg.kv_dtype)
-        return (init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_dtype),
-                self.drafter.init_state(self.ecfg.max_ctx, kv_dtype) if self.drafter else None)
+        kv_type = self.ecfg.kv_type
+        draft = self.drafter.init_state(self.ecfg.max_ctx, kvq.kv_type(kv_type).draft_dtype) if self.drafter else None
+        return init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_type), draft
 
     def state_bytes(self) -> int:
         """Bytes of the caches a generation allocates (`_empty_states`), from their shapes alone: nothing is

@@ -58,23 +58,27 @@ PAGE = 256  # a snapshot copies the attention caches' rows in pages of this many
 # shape serves every length, where a copy of exactly the used rows would compile once per length
 
 
+Caches = tuple[Any, ...]  # the attention caches: each an array [layers, slots, kv_heads, head_dim] or a KVBlocks
+# (dflash_jax/kv_quant.py) whose every field is [layers, slots, kv_heads, head_dim / 32, count]: slots on axis 1
+
+
 @jax.jit
-def _take_page(caches: tuple[jax.Array, ...], start: jax.Array, length: jax.Array) -> tuple[jax.Array, ...]:
-    """Slots start..start+PAGE of each cache [layers, slots, kv_heads, head_dim], those from `length` on (or past the
+def _take_page(caches: Caches, start: jax.Array, length: jax.Array) -> Caches:
+    """Slots start..start+PAGE of each cache (of each field of a block cache), those from `length` on (or past the
     cache's end) zero."""
     rows = start + jnp.arange(PAGE)
-    return tuple(jnp.take(c, jnp.where(rows < length, rows, c.shape[1]), axis=1, mode="fill", fill_value=0)
-                 for c in caches)
+    return jax.tree.map(lambda c: jnp.take(c, jnp.where(rows < length, rows, c.shape[1]), axis=1, mode="fill",
+                                           fill_value=0), caches)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _put_page(caches: tuple[jax.Array, ...], page: tuple[jax.Array, ...], start: jax.Array) -> tuple[jax.Array, ...]:
+def _put_page(caches: Caches, page: Caches, start: jax.Array) -> Caches:
     """The caches with a page written at slots start..start+PAGE (slots past a cache's end dropped); in place."""
     rows = start + jnp.arange(PAGE)
-    return tuple(c.at[:, rows].set(p, mode="drop") for c, p in zip(caches, page))
+    return jax.tree.map(lambda c, p: c.at[:, rows].set(p, mode="drop"), caches, page)
 
 
-def _attention_caches(target: TargetState, draft: Any) -> tuple[jax.Array, ...]:
+def _attention_caches(target: TargetState, draft: Any) -> Caches:
     return (target.k, target.v) + (() if draft is None else (draft.k, draft.v))
 
 
@@ -86,11 +90,11 @@ class Snapshot:
 
     length: int
     mark: Mark
-    pages: tuple[tuple[jax.Array, ...], ...]  # per page: target k, v (and drafter k, v) [layers, PAGE, kv_heads, hd]
+    pages: tuple[Caches, ...]  # per page: target k, v (and drafter k, v), PAGE slots each, in the caches' KV types
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the snapshot holds (its mark's included)."""
+        """Device bytes the snapshot holds (its mark's included; every field of a block cache's pages)."""
         return sum(x.nbytes for x in jax.tree.leaves((self.mark, self.pages)))
 
 

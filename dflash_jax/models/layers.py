@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import kv_quant as kvq
 from dflash_jax.config import KernelConfig
 from dflash_jax.kernels import linear
 from dflash_jax.quant import QTensor
@@ -31,11 +32,14 @@ def swiglu(x: jax.Array, w_gate: QTensor, w_up: QTensor, w_down: QTensor, kcfg: 
     return linear(jax.nn.silu(linear(x, w_gate, kcfg)) * linear(x, w_up, kcfg), w_down, kcfg)
 
 
-def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, layer: int | None = None) -> jax.Array:
+def write_rows(cache: jax.Array | kvq.KVBlocks, rows: jax.Array | kvq.KVBlocks, start: jax.Array,
+               layer: int | None = None) -> jax.Array | kvq.KVBlocks:
     """A stacked cache [layers, slots, ...] with rows written at slots start..: rows [n, ...] into one layer, or
-    [layers, n, ...] into every layer. Rows past the end are dropped (a padded last chunk) rather than shifting the
-    write back over committed slots, as dynamic_update_slice would. Writing one layer of the stacked cache (not a
-    slice of it, then a stack) lets a jitted function update a donated cache in place."""
+    [layers, n, ...] into every layer, in the cache's KV type (float rows are cast or quantized: kv_quant.stored).
+    Rows past the end are dropped (a padded last chunk) rather than shifting the write back over committed slots, as
+    dynamic_update_slice would. Writing one layer of the stacked cache (not a slice of it, then a stack) lets a
+    jitted function update a donated cache in place."""
+    rows = kvq.stored(rows, cache)
     slots = start + jnp.arange(rows.shape[0 if layer is not None else 1])
     idx = (layer, slots) if layer is not None else (slice(None), slots)
-    return cache.at[idx].set(rows.astype(cache.dtype), mode="drop")
+    return jax.tree.map(lambda c, r: c.at[idx].set(r, mode="drop"), cache, rows)

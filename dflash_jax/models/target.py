@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import kernels
+from dflash_jax import kv_quant as kvq
 from dflash_jax.config import FULL_ATTENTION, KernelConfig, TargetConfig
 from dflash_jax.kernels import REFERENCE, linear
 from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
@@ -54,8 +55,10 @@ def params_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.nd
 class TargetState:
     """KV cache of the full-attention layers, conv and recurrent state of the GDN layers, committed length."""
 
-    k: jax.Array  # [attn_layers, slots, kv_heads, head_dim]
-    v: jax.Array  # [attn_layers, slots, kv_heads, head_dim]
+    # [attn_layers, slots, kv_heads, head_dim] in the KV type (dflash_jax/kv_quant.py): an array of a float type, or
+    # a block type's KVBlocks (fields [attn_layers, slots, kv_heads, head_dim / 32, count])
+    k: jax.Array | kvq.KVBlocks
+    v: jax.Array | kvq.KVBlocks
     conv: jax.Array  # [gdn_layers, conv_kernel - 1, conv_dim]: the last pre-conv inputs, oldest first
     ssm: jax.Array  # [gdn_layers, value_heads, key_head_dim, value_head_dim], float32
     length: jax.Array  # [] int32: committed tokens (KV slots 0..length-1 are valid)
@@ -65,13 +68,14 @@ class TargetState:
         return self.k.shape[1]
 
 
-def init_state(cfg: TargetConfig, slots: int, kv_dtype: jnp.dtype = jnp.float32) -> TargetState:
-    """An empty state with room for `slots` tokens (committed context plus tree slack)."""
+def init_state(cfg: TargetConfig, slots: int, kv_type: str = "f32") -> TargetState:
+    """An empty state with room for `slots` tokens (committed context plus tree slack), its KV cache in `kv_type`
+    (a name of dflash_jax.kv_quant.TYPES)."""
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv_shape = (n_attn, slots, cfg.num_kv_heads, cfg.head_dim)
     return TargetState(
-        k=jnp.zeros(kv_shape, kv_dtype),
-        v=jnp.zeros(kv_shape, kv_dtype),
+        k=kvq.empty(kv_type, kv_shape),
+        v=kvq.empty(kv_type, kv_shape),
         conv=jnp.zeros((n_gdn, cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
         ssm=jnp.zeros((n_gdn, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
                       jnp.float32),
@@ -137,13 +141,16 @@ def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_all: jax.Array, v_all
     pos = length + block.depth
     q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
     k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
+    # the block's rows as the cache holds them (cast or quantized): written now, at slots length.., which only a
+    # commit moves below `length`
+    k, v = kvq.stored(k, k_all), kvq.stored(v, v_all)
     # written before the read (attention sees slots < length only): a read of the old cache still to come would
     # make XLA copy the whole cache to write it
     k_all = write_rows(k_all, k, length, layer)
     v_all = write_rows(v_all, v, length, layer)
-    # the block's own keys as the cache holds them once committed: a later token reads them from the cache, and a
-    # tree's deeper nodes must see what it would see
-    k, v = k.astype(k_all.dtype), v.astype(v_all.dtype)
+    # the block's own keys in the compute dtype, with the values the cache holds once committed: a later token reads
+    # them from the cache, and a tree's deeper nodes must see what it would see
+    k, v = kvq.readable(k), kvq.readable(v)
     o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), kcfg, layer)
     o = o.reshape(n, cfg.num_heads * hd)
     return linear(o * jax.nn.sigmoid(gate), p["wo"], kcfg), k_all, v_all
@@ -300,10 +307,10 @@ def commit(state: TargetState, verified: Verified, leaf: jax.Array, kcfg: Kernel
     path = block.anc[leaf]  # [N]
     src = state.length + path_nodes(block, leaf, n)  # slot of the path node at each depth
 
-    def compact(cache):  # [layers, slots, ...]: path node at depth d moves to slot length + d
+    def compact(cache):  # [layers, slots, ...]: path node at depth d moves to slot length + d (blocks as they are)
         if n == 1:  # already in place; and with a constant leaf the write would not wait for verify's reads of the
             return cache  # cache, so XLA would copy the whole cache to make it
-        return write_rows(cache, jnp.take(cache, src, axis=1), state.length)
+        return write_rows(cache, jax.tree.map(lambda x: jnp.take(x, src, axis=1), cache), state.length)
 
     kept = verified.conv_index.shape[1] - 1  # conv_in's first rows are the committed conv state
     conv_rows = jnp.where(skip, jnp.arange(kept), verified.conv_index[leaf, 1:])

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dflash_jax.errors import InputError
-from dflash_jax.server import anthropic_api, openai_api
+from dflash_jax.server import anthropic_api, openai_api, responses_api
 from dflash_jax.server.request import BadRequest, GenRequest, Settings, choices
 from dflash_jax.server.wire import anthropic_error, internal_error, new_id, now, openai_error, sse
 from dflash_jax.server.worker import GenerationFailed, Job, QueueFull, Worker
@@ -246,6 +246,8 @@ def build_app(worker: Worker, settings: Settings) -> Starlette:
                                                openai_api.chat_stream), methods=["POST"]),
         Route("/v1/completions", endpoint("openai", openai_api.parse_completion, openai_api.completion_response,
                                           openai_api.completion_stream), methods=["POST"]),
+        Route("/v1/responses", endpoint("openai", responses_api.parse_responses, responses_api.response_object,
+                                        responses_api.response_stream), methods=["POST"]),
         Route("/v1/messages", endpoint("anthropic", anthropic_api.parse_messages, anthropic_api.message_response,
                                        anthropic_api.message_stream), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guarded("anthropic", count_tokens), methods=["POST"]),

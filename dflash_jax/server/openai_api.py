@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Sequence
 
-from dflash_jax.server.request import (BadRequest, GenRequest, Settings, chat_prompt, conversation_prefix, count, field,
-                                       max_tokens, next_turn_prefix, refuse, sampling, stop_strings, text_of)
-from dflash_jax.server.tool_calls import arguments_json, parse
+from dflash_jax.server import reply
+from dflash_jax.server.request import (EFFORT, BadRequest, GenRequest, Settings, count, field, max_tokens, refuse,
+                                       sampling, stop_strings, text_of, think_budget)
+from dflash_jax.server.tool_calls import ToolCall, argument_pieces, arguments_json
+from dflash_jax.server.tool_use import (ToolUse, call_arguments, check_template, function_tool, openai_tool_use,
+                                        reply_prompt)
 from dflash_jax.server.wire import new_id, now, sse
 from dflash_jax.server.worker import Job, Outcome
 
@@ -21,7 +22,6 @@ COMPLETION_UNSUPPORTED = {"echo": "echoing the prompt is not implemented", "suff
                           "logprobs": "log probabilities are not implemented"}
 FINISH = {"stop_token": "stop", "stop_sequence": "stop", "length": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range of temperature
@@ -33,57 +33,53 @@ def _common(body: dict) -> None:
         raise BadRequest(f"response_format {fmt.get('type')!r} is not supported (only text)", "response_format")
 
 
-def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[str, ...],
-             history: int = 0, shared: int = 0) -> GenRequest:
+def _request(body: dict, ids: list[int], settings: Settings, limit_names: tuple[str, ...]) -> GenRequest:
     name = next((n for n in limit_names if body.get(n) is not None), limit_names[-1])
     limit = field(body, name, int, None)
     options = field(body, "stream_options", dict, {})
     return GenRequest(ids, max_tokens(limit, len(ids), settings, name), stop_strings(body, "stop"),
-                      field(body, "stream", bool, False), bool(options.get("include_usage")), history=history,
-                      shared=shared, sampling=sampling(body, settings, MAX_TEMPERATURE), n=count(body))
+                      field(body, "stream", bool, False), bool(options.get("include_usage")),
+                      sampling=sampling(body, settings, MAX_TEMPERATURE), n=count(body))
 
 
 def _tools(body: dict) -> list[dict]:
-    """The request's `tools`, checked: functions with distinct names and an object schema of parameters."""
-    tools, names = field(body, "tools", list, []), set()
-    for i, tool in enumerate(tools):
+    """The request's `tools`, checked (`function_tool`): functions with distinct names and an object schema of
+    parameters."""
+    tools, names = [], set()
+    for i, tool in enumerate(field(body, "tools", list, [])):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise BadRequest(f"{where} must be an object of type 'function' with a 'function' object", "tools")
-        function = tool["function"]
-        name = function.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits or '_.:-', got {name!r}", "tools")
-        if name in names:
-            raise BadRequest(f"{where}.function.name {name!r} names an earlier tool too", "tools")
-        names.add(name)
-        if not isinstance(function.get("description", ""), str):
-            raise BadRequest(f"{where}.function.description must be a string", "tools")
-        parameters = function.get("parameters", {})
-        if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
-            raise BadRequest(f"{where}.function.parameters must be a JSON schema object whose 'properties' is an "
-                             "object", "tools")
+        tools.append(function_tool(tool["function"], f"{where}.function", names))
     return tools
 
 
-def _parses_calls(body: dict, tools: list[dict]) -> bool:
-    """Whether the reply is parsed for tool calls: with tools and tool_choice 'auto' (the default); 'none' renders
-    the tools but leaves the reply as text, as vLLM does; 'required' and a named function are refused."""
-    choice = field(body, "tool_choice", (str, dict), "auto")
-    if choice == "required" or isinstance(choice, dict):
-        raise BadRequest("tool_choice 'required' and a named function are not implemented yet (send 'auto' or "
-                         "'none')", "tool_choice")
-    if choice not in ("auto", "none"):
-        raise BadRequest(f"'tool_choice' must be 'auto', 'none', 'required' or a named function, got {choice!r}",
-                         "tool_choice")
-    if not field(body, "parallel_tool_calls", bool, True):
-        raise BadRequest("parallel_tool_calls false is not implemented (the model may make several calls)",
-                         "parallel_tool_calls")
-    parsed = choice == "auto" and bool(tools)
-    if parsed and field(body, "stream", bool, False):
-        raise BadRequest("streaming a reply that may call tools is not implemented yet (send stream false, or "
-                         "tool_choice 'none')", "stream")
-    return parsed
+def _named(choice: dict) -> Any:
+    """The function a tool_choice object names: {"type": "function", "function": {"name": ...}} (None otherwise)."""
+    function = choice.get("function")
+    return function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
+
+
+def _thinking(body: dict, use: ToolUse) -> tuple[bool | None, int | None]:
+    """(thinking, budget) a request asks for: chat_template_kwargs.enable_thinking (None: the server's), and
+    reasoning_effort, which turns thinking on with its token budget."""
+    kwargs = field(body, "chat_template_kwargs", dict, {})
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise BadRequest("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
+    effort = field(body, "reasoning_effort", str, None)
+    if effort is not None:
+        if effort not in EFFORT:
+            raise BadRequest(f"'reasoning_effort' must be one of {', '.join(EFFORT)}, got {effort!r}",
+                             "reasoning_effort")
+        if thinking is False:
+            raise BadRequest("'reasoning_effort' turns thinking on, which chat_template_kwargs.enable_thinking false "
+                             "turns off", "reasoning_effort")
+        thinking = True
+    if use.forced and thinking:
+        raise BadRequest("a tool_choice that forces a call starts the reply with it, so thinking cannot be on (leave "
+                         "out reasoning_effort and enable_thinking)", "tool_choice")
+    return thinking, EFFORT.get(effort)
 
 
 def _past_calls(calls: Any, where: str) -> list[dict]:
@@ -96,13 +92,7 @@ def _past_calls(calls: Any, where: str) -> list[dict]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise BadRequest(f"{at}.function must be an object with a name", "messages")
-        arguments = function.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except (ValueError, RecursionError):
-            arguments = None
-        if not isinstance(arguments, dict):
-            raise BadRequest(f"{at}.function.arguments must be a JSON object, as a string", "messages")
+        arguments = call_arguments(function.get("arguments", "{}"), f"{at}.function", "messages")
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out
@@ -123,6 +113,10 @@ def _message(m: Any, where: str) -> dict:
     if m.get("content") is None and not calls:
         raise BadRequest(f"{where}.content is required", "messages")
     message = {"role": ROLES[role], "content": "" if m.get("content") is None else text_of(m["content"], where)}
+    if role == "assistant" and m.get("reasoning_content") is not None:
+        if not isinstance(m["reasoning_content"], str):
+            raise BadRequest(f"{where}.reasoning_content must be a string", "messages")
+        message["reasoning_content"] = m["reasoning_content"]  # the template writes it back as the think block
     if calls:
         message["tool_calls"] = _past_calls(calls, where)
     if role == "tool":
@@ -132,40 +126,21 @@ def _message(m: Any, where: str) -> dict:
     return message
 
 
-def _check_template(settings: Settings, tools: list[dict], messages: list[dict]) -> None:
-    """400 for tools or past tool calls that the model's chat template would drop without a word."""
-    template = settings.tokenizer.chat_template or ""
-    if tools and "tools" not in template:
-        raise BadRequest("'tools' need a chat template that renders them; this model's does not", "tools")
-    if any("tool_calls" in m for m in messages) and "tool_calls" not in template:
-        raise BadRequest("messages with tool_calls need a chat template that renders them; this model's does not",
-                         "messages")
-    if "tool_calls" in messages[-1]:
-        raise BadRequest("the last message makes tool calls: send their results (role 'tool') after it", "messages")
-
-
 def parse_chat(body: dict, settings: Settings) -> GenRequest:
     """A /v1/chat/completions body as a generation request (400 for anything the server cannot honour)."""
     refuse(body, UNSUPPORTED)
     _common(body)
     tools = _tools(body)
-    parsed = _parses_calls(body, tools)
+    use = openai_tool_use(body, tools, _named, "{\"type\": \"function\", \"function\": {\"name\": ...}}")
     messages = [_message(m, f"messages[{i}]") for i, m in enumerate(field(body, "messages", list))]
     if not messages:
         raise BadRequest("'messages' must not be empty", "messages")
-    _check_template(settings, tools, messages)
-    kwargs = field(body, "chat_template_kwargs", dict, {})
-    thinking = kwargs.get("enable_thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise BadRequest("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
-    ids = chat_prompt(settings, messages, thinking, tools)
-    request = _request(body, ids, settings, ("max_completion_tokens", "max_tokens"),
-                       next_turn_prefix(settings, messages, ids, thinking, tools),
-                       conversation_prefix(settings, messages, ids, thinking, tools))
-    if not parsed:
-        return request
-    return dataclasses.replace(request, tools={t["function"]["name"]: t["function"].get("parameters", {})
-                                               for t in tools})
+    check_template(settings, tools, messages)
+    thinking, budget = _thinking(body, use)
+    prompt = reply_prompt(settings, messages, thinking, tools, use)
+    request = _request(body, prompt.ids, settings, ("max_completion_tokens", "max_tokens"))
+    return dataclasses.replace(request, reasoning_budget=think_budget(settings, budget, prompt.thinks),
+                               **prompt.fields(), **use.fields())
 
 
 def parse_completion(body: dict, settings: Settings) -> GenRequest:
@@ -197,17 +172,23 @@ def usage(request: GenRequest, outcomes: Sequence[Outcome]) -> dict[str, Any]:
     return counts if request.sampling.greedy else {**counts, "seed": request.sampling.seed}
 
 
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": new_id("call_"), "type": "function",
+            "function": {"name": call.name, "arguments": arguments_json(call)}}
+
+
 def _chat_choice_of(index: int, job: Job, text: str) -> dict[str, Any]:
-    """One choice of a chat completion: the reply's text, or, when it calls offered tools, the text before the calls
-    (null if none) and the calls, finished by `tool_calls`."""
-    content, calls = parse(text, job.request.tools) if job.request.tools else (text, [])
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        message = {"role": "assistant", "content": content or None,
-                   "tool_calls": [{"id": new_id("call_"), "type": "function",
-                                   "function": {"name": c.name, "arguments": arguments_json(c)}} for c in calls]}
+    """One choice of a chat completion: the answer as content, the think block as reasoning_content, and, when the
+    reply calls offered tools, the calls, finished by `tool_calls` (content is then null if empty)."""
+    read = reply.read(text, job.request)
+    content = read.content + read.tail
+    message: dict[str, Any] = {"role": "assistant", "content": (content or None) if read.calls else content}
+    if read.reasoning:
+        message["reasoning_content"] = read.reasoning
+    if read.calls:
+        message["tool_calls"] = [_tool_call(c) for c in read.calls]
     return {"index": index, "message": message, "logprobs": None,
-            "finish_reason": "tool_calls" if calls else FINISH[job.outcome.finish]}
+            "finish_reason": "tool_calls" if read.calls else FINISH[job.outcome.finish]}
 
 
 def chat_response(jobs: Sequence[Job], texts: Sequence[str], settings: Settings) -> dict[str, Any]:
@@ -223,33 +204,58 @@ def completion_response(jobs: Sequence[Job], texts: Sequence[str], settings: Set
             "usage": usage(jobs[0].request, [job.outcome for job in jobs])}
 
 
-def _chat_choice(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-    delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+def _delta(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
     return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
-def _completion_choice(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+def _text(text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
 
-async def _stream(job: Job, settings: Settings, kind: str, choice: Callable[..., dict]) -> AsyncIterator[str]:
-    head = {"id": new_id("chatcmpl-" if kind == "chat.completion.chunk" else "cmpl-"), "object": kind,
+def _deltas(event: reply.Event) -> list[dict[str, Any]]:
+    """The chunk deltas of a reply event: reasoning_content, content, or a tool call: its id and name (arguments
+    empty), then the arguments JSON in pieces (`argument_pieces`) that join into it."""
+    if isinstance(event, reply.Reasoning):
+        return [{"reasoning_content": event.text}]
+    if isinstance(event, reply.Content):
+        return [{"content": event.text}]
+    call = _tool_call(event.call)
+    call["function"]["arguments"] = ""
+    return [{"tool_calls": [{"index": event.index, **call}]}] + [
+        {"tool_calls": [{"index": event.index, "function": {"arguments": piece}}]}
+        for piece in argument_pieces(event.call)]
+
+
+def _head(kind: str, settings: Settings) -> dict[str, Any]:
+    return {"id": new_id("chatcmpl-" if kind == "chat.completion.chunk" else "cmpl-"), "object": kind,
             "created": now(), "model": settings.model}
-    if kind == "chat.completion.chunk":
-        yield sse({**head, "choices": [choice(None, None, first=True)]})
-    async for piece in job.pieces():  # a failure ends the stream with an error event (app._guarded_events)
-        yield sse({**head, "choices": [choice(piece, None)]})
-    yield sse({**head, "choices": [choice(None, FINISH[job.outcome.finish])]})
-    if job.request.include_usage:
-        yield sse({**head, "choices": [], "usage": usage(job.request, [job.outcome])})
-    yield sse("[DONE]")
 
 
-def chat_stream(job: Job, settings: Settings) -> AsyncIterator[str]:
-    """chat.completion.chunk events: the role, a content delta per piece of text, the finish reason, [DONE]."""
-    return _stream(job, settings, "chat.completion.chunk", _chat_choice)
+def _ending(job: Job, head: dict[str, Any], last: dict[str, Any]) -> list[str]:
+    """The chunk with the finish reason, the usage chunk if asked for, and [DONE]."""
+    usage_chunk = [sse({**head, "choices": [], "usage": usage(job.request, [job.outcome])})]
+    return [sse({**head, "choices": [last]})] + (usage_chunk if job.request.include_usage else []) + [sse("[DONE]")]
 
 
-def completion_stream(job: Job, settings: Settings) -> AsyncIterator[str]:
+async def chat_stream(job: Job, settings: Settings) -> AsyncIterator[str]:
+    """chat.completion.chunk events: the role, then a delta per reply event (`_deltas`), the finish reason
+    (`tool_calls` when the reply called tools), [DONE]."""
+    head = _head("chat.completion.chunk", settings)
+    yield sse({**head, "choices": [_delta({"role": "assistant", "content": ""})]})
+    called = False
+    # a failure ends the stream with an error event (app._guarded_events)
+    async for event in reply.events(job.pieces(), job.request):
+        called = called or isinstance(event, reply.Call)
+        for delta in _deltas(event):
+            yield sse({**head, "choices": [_delta(delta)]})
+    for chunk in _ending(job, head, _delta({}, "tool_calls" if called else FINISH[job.outcome.finish])):
+        yield chunk
+
+
+async def completion_stream(job: Job, settings: Settings) -> AsyncIterator[str]:
     """text_completion events: a text piece each, then the finish reason, then [DONE]."""
-    return _stream(job, settings, "text_completion", _completion_choice)
+    head = _head("text_completion", settings)
+    async for piece in job.pieces():
+        yield sse({**head, "choices": [_text(piece)]})
+    for chunk in _ending(job, head, _text("", FINISH[job.outcome.finish])):
+        yield chunk

@@ -33,6 +33,7 @@ class Settings:
     thinking: bool = False  # the chat template's thinking block, unless a request says otherwise
     sampling: SamplingParams = GREEDY  # temperature, top_p, top_k, min_p of requests that leave them out
     seed: int | None = None  # the seed of sampled requests that give none (None: one drawn per request)
+    reasoning_budget: int | None = None  # think-block tokens of requests that give no budget (None: no limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,10 @@ class GenRequest:
     sampling: SamplingParams = GREEDY
     n: int = 1  # completions of the prompt, the i-th sampled with seed + i (`choices`)
     tools: Mapping[str, Any] | None = None  # {name: parameters schema} of the tools whose calls the reply is parsed for
+    single_call: bool = False  # only the reply's first call is kept (parallel_tool_calls false)
+    prefix: str = ""  # the reply's first text, forced at the end of the prompt (a required tool call)
+    thinks: bool = False  # the prompt opens a think block: the reply starts with reasoning (server/reply.py)
+    reasoning_budget: int | None = None  # reply tokens in that block after which the server closes it (None: never)
 
 
 def field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = _MISSING) -> Any:
@@ -156,37 +161,43 @@ def stop_strings(body: Mapping[str, Any], name: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def text_of(content: Any, where: str, text_types: Sequence[str] = ("text",)) -> str:
-    """Message content as text: a string, or an array of text parts joined by newlines (no images or tools)."""
+def text_of(content: Any, where: str, text_types: Sequence[str] = ("text",), key: str = "content") -> str:
+    """Message content (`where`.`key`) as text: a string, or an array of text parts joined by newlines (no images or
+    tools)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or an array of content parts", where)
+        raise BadRequest(f"{where}.{key} must be a string or an array of content parts", where)
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in text_types:
-            raise BadRequest(f"{where}.content[{i}] is of type {kind!r}: only text content is supported", where)
+            raise BadRequest(f"{where}.{key}[{i}] is of type {kind!r}: only text content is supported", where)
         if not isinstance(part.get("text"), str):
-            raise BadRequest(f"{where}.content[{i}].text must be a string", where)
+            raise BadRequest(f"{where}.{key}[{i}].text must be a string", where)
         texts.append(part["text"])
     return "\n".join(texts)
 
 
-def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None,
-                tools: Sequence[dict] | None = None) -> list[int]:
-    """Prompt ids of a conversation (and the tools offered) through the chat template; a last assistant message is
-    continued, not closed."""
+def chat_text(settings: Settings, messages: list[dict], thinking: bool | None = None,
+              tools: Sequence[dict] | None = None, param: str = "messages") -> str:
+    """Prompt text of a conversation (and the tools offered) through the chat template; a last assistant message is
+    continued, not closed; a template error is a 400 naming `param`."""
     if not messages:
-        raise BadRequest("'messages' must not be empty", "messages")
+        raise BadRequest(f"'{param}' must not be empty", param)
     thinking = settings.thinking if thinking is None else thinking
     prefill = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
     head = messages[:-1] if prefill is not None else messages
     try:
-        text = settings.tokenizer.render_chat(head, True, thinking, tools) + (prefill or "")
+        return settings.tokenizer.render_chat(head, True, thinking, tools) + (prefill or "")
     except TemplateError as e:
-        raise BadRequest(str(e), "messages") from None
-    return settings.tokenizer.encode(text)
+        raise BadRequest(str(e), param) from None
+
+
+def chat_prompt(settings: Settings, messages: list[dict], thinking: bool | None = None,
+                tools: Sequence[dict] | None = None) -> list[int]:
+    """Prompt ids of a conversation (and the tools offered) through the chat template (`chat_text`)."""
+    return settings.tokenizer.encode(chat_text(settings, messages, thinking, tools))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -249,3 +260,12 @@ def max_tokens(value: int | None, n_prompt: int, settings: Settings, name: str =
         raise BadRequest(f"the prompt of {n_prompt} tokens + {name} {value} = {n_prompt + value} exceeds the "
                          f"context of {settings.max_ctx} tokens", name)
     return value
+
+
+EFFORT = {"low": 1024, "medium": 4096, "high": 16384}  # a reasoning effort's think-block tokens before it is closed
+
+
+def think_budget(settings: Settings, asked: int | None, thinks: bool) -> int | None:
+    """The think-block token budget of a reply: the request's, else the server's; None when the reply does not start
+    inside a think block."""
+    return (settings.reasoning_budget if asked is None else asked) if thinks else None

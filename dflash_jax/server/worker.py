@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable
 
 from dflash_jax.engine.state import DecodeState, Mark, rewind
 from dflash_jax.errors import InputError
+from dflash_jax.server import budget
 from dflash_jax.server.prefix_cache import PrefixCache
 from dflash_jax.server.request import GenRequest
 from dflash_jax.server.stops import StopMatcher
@@ -218,9 +219,9 @@ class Worker:
             return matcher.matched is not None
 
         t1 = time.perf_counter()
-        gen = self.engine.generate(request.ids[start:], request.max_tokens, tok.stop_ids, on_tokens, after=after,
-                                   keep_pending=whole, mark_at=max(request.history - start, 0),
-                                   sampling=request.sampling, snapshot_at=self._snapshot_points(request, start))
+        gen = budget.generate(self.engine, tok, request.reasoning_budget, request.ids[start:], request.max_tokens,
+                              on_tokens, after=after, keep_pending=whole, mark_at=max(request.history - start, 0),
+                              sampling=request.sampling, snapshot_at=self._snapshot_points(request, start))
         for snapshot in gen.snapshots:
             self.cache.add(request.ids[:snapshot.length], snapshot)
         if not gen.halted:

@@ -1,0 +1,137 @@
+"""The target's KV cache in each type (dflash_jax/kv_quant.py) through the engine: q8_0 decodes what bf16 decodes on the
+fixture pair in every mode, speculative decoding stays exact on the low-bit types, the state's bytes are the type's,
+the interpret-mode kernels read every type, the GPU kernel refuses the block types, and the step writes a quantized
+cache in place."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY, TINY_GGUF
+from dflash_jax import kv_quant as kvq
+from dflash_jax.config import KV_TYPES, MAX_TREE_NODES, EngineConfig, KernelConfig
+from dflash_jax.engine.generate import Engine
+from dflash_jax.engine.prefill import prefill
+from dflash_jax.engine.state import DecodeState
+from dflash_jax.engine.step import MAX_STOP_IDS, make_step
+from dflash_jax.kernels import REFERENCE
+from dflash_jax.load import load_draft, load_target
+from dflash_jax.models.target import init_state, params_from_tensors
+from dflash_jax.quant import Unsupported
+from dflash_jax.testing.oracle import OracleDrafter
+from dflash_jax.testing.synthetic import tree_bytes
+from dflash_jax.testing.tiny import random_gguf_tensors, tiny_target_config
+
+N_GEN, MAX_CTX = 16, 128
+CFG = tiny_target_config(num_layers=4, interval=2, vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_heads=2, num_kv_heads=1, head_dim=32, rope_dim=8, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_num_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = load_target(TINY_GGUF, progress=False)
+    return target, load_draft(TINY / "draft-full", target.config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def bf16_greedy(pair):
+    engine = Engine.from_loaded(*pair, EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type="bf16"))
+    return engine.generate(np.load(TINY / "tokens.npy"), N_GEN).tokens
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+def test_q8_0_decodes_what_bf16_decodes_on_the_fixture_pair(pair, bf16_greedy, mode):
+    """bf16's greedy continuation is the reference's (HF transformers on the same weights); q8_0 gives it too."""
+    assert bf16_greedy == np.load(TINY / "ref.npz")["hf_q_greedy"][:N_GEN].tolist()
+    engine = Engine.from_loaded(*pair, EngineConfig(mode=mode, budget=8, max_ctx=MAX_CTX, kv_type="q8_0"))
+    assert engine.generate(np.load(TINY / "tokens.npy"), N_GEN).tokens == bf16_greedy
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.tree.map(jnp.asarray, params_from_tensors(CFG, random_gguf_tensors(CFG, seed=4)))
+
+
+def prompt(seed):
+    rng = np.random.default_rng(200 + seed)
+    return rng.integers(10, CFG.vocab_size, int(rng.choice([5, 40, 70])))
+
+
+@pytest.mark.parametrize("kv_type", ["q4_0", "rq3_0"])
+def test_speculative_decoding_stays_exact_on_low_bit_caches(params, kv_type):
+    """A DDTree over an oracle drafter's proposals (deep paths, sibling branches) emits what AR emits with the same
+    cache type: the tree's keys are read as the cache will hold them. The type does change the output (from f32's),
+    so the quantization is in the path."""
+    ar, f32 = (Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type=t)) for t in (kv_type, "f32"))
+    tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=8, topk=4, max_ctx=MAX_CTX, kv_type=kv_type),
+                  OracleDrafter(8, CFG.vocab_size, 0.25, seed=1), None)
+    differs, lengths = False, []
+    for seed in range(4):
+        ids, want = prompt(seed), ar.generate(prompt(seed), 24).tokens
+        sequence = np.zeros(MAX_CTX, np.int32)
+        sequence[:len(ids) + len(want)] = np.concatenate([ids, want])
+        tree.dparams = {"sequence": jnp.asarray(sequence)}
+        out = tree.generate(ids, 24)
+        assert out.tokens == want, seed
+        lengths += out.accept_lengths
+        differs |= f32.generate(ids, 24).tokens != want
+    assert differs and max(lengths) >= 5
+
+
+@pytest.mark.parametrize("kv_type", KV_TYPES)
+def test_state_bytes_are_the_types(pair, kv_type):
+    """The state counts the target's K and V at the type's bits per value (the drafter's context cache in its
+    draft dtype) against the float32 state, from shapes alone."""
+    target, draft = pair
+    ecfg = EngineConfig(mode="ddtree", max_ctx=256, kv_type=kv_type)
+    got = Engine.from_loaded(*pair, ecfg).state_bytes()
+    f32 = Engine.from_loaded(*pair, EngineConfig(mode="ddtree", max_ctx=256, kv_type="f32")).state_bytes()
+    cfg, dcfg, t = target.config, draft.config, kvq.kv_type(kv_type)
+    values = 2 * len(cfg.full_attention_layers) * (256 + MAX_TREE_NODES) * cfg.num_kv_heads * cfg.head_dim
+    draft_values = 2 * dcfg.num_layers * 256 * dcfg.num_kv_heads * dcfg.head_dim
+    assert got == f32 - values * (4 - t.bits / 8) - draft_values * (4 - t.draft_dtype.itemsize)
+
+
+def test_the_interpret_kernels_read_a_rotated_cache(params):
+    """A prompt's second chunk over the rq3_0 blocks of its first (written by the reference path): the Pallas
+    kernels in interpret mode dequantize them tile by tile and give the reference path's logits, to the kernels'
+    bf16 products."""
+    ids = np.random.default_rng(9).integers(10, CFG.vocab_size, 80).tolist()  # chunks of 64 and 16
+    _, _, state = prefill(params, CFG, init_state(CFG, 128, "rq3_0"), ids[:64])
+
+    def logits(kcfg):
+        out, _, _ = prefill(params, CFG, jax.tree.map(jnp.copy, state), ids[64:], kcfg=kcfg)
+        return np.asarray(out)
+
+    ref, interp = logits(REFERENCE), logits(KernelConfig(impl="pallas", interpret=True))
+    assert 0 < np.linalg.norm(interp - ref) / np.linalg.norm(ref) < 5e-3
+    assert int(np.argmax(ref)) == int(np.argmax(interp))
+
+
+def test_the_gpu_kernel_refuses_a_block_type(params):
+    for kv_type in ("q8_0", "rq3_0"):
+        with pytest.raises(Unsupported, match=rf"does not read quantized KV caches \({kv_type}\) yet; use a float KV "
+                                              r"type \(f32, bf16, f16\)"):
+            Engine(CFG, params, EngineConfig(mode="ar", kv_type=kv_type), kcfg=KernelConfig(impl="pallas"))
+    Engine(CFG, params, EngineConfig(mode="ar", kv_type="f16"), kcfg=KernelConfig(impl="pallas"))
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_the_step_writes_a_quantized_cache_in_place(params, mode):
+    """The compiled step aliases the whole q4_0 state to its output (the commit moves blocks within the donated
+    cache), and its temporaries are those of the float32 cache's step (the reference attention's own, over a
+    dequantized layer): no copy of the blocks."""
+    max_ctx = 4096
+    drafter = OracleDrafter(8, CFG.vocab_size, 0.25) if mode != "ar" else None
+    dparams = {"sequence": jnp.zeros(max_ctx, jnp.int32)} if drafter else None
+    memory = {}
+    for kv_type in ("q4_0", "f32"):
+        state = DecodeState(target=init_state(CFG, max_ctx + MAX_TREE_NODES, kv_type), draft=None,
+                            root=jnp.int32(1), remaining=jnp.int32(10), done=jnp.bool_(False))
+        step = make_step(CFG, drafter, EngineConfig(mode=mode, budget=22, max_ctx=max_ctx, kv_type=kv_type))
+        memory[kv_type] = step.lower(params, dparams, state,
+                                     jnp.full(MAX_STOP_IDS, -1, jnp.int32)).compile().memory_analysis()
+        assert memory[kv_type].alias_size_in_bytes == tree_bytes(state), kv_type
+    assert memory["q4_0"].temp_size_in_bytes < 1.01 * memory["f32"].temp_size_in_bytes
