@@ -1,5 +1,5 @@
-"""Shared test setup: fixture paths (tests/fixtures), the `gpu` marker (skipped, and counted, without a GPU), one
-compilation cache for the run."""
+"""Shared test setup: fixture paths (tests/fixtures), the tiny target with Qwen3.5's chat template, the `gpu` marker
+(skipped, and counted, without a GPU), one compilation cache for the run."""
 
 import os
 import shutil
@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"  # the reference data, committed (tests/fixtures/README.md)
 TINY = FIXTURES / "tiny-qwen35"
 TINY_GGUF = TINY / "model-q4_k_m.gguf"
+QWEN35_TEMPLATE = FIXTURES / "templates" / "qwen3.5.jinja"  # the published Qwen3.5 template (templates/README.md)
 
 
 def pytest_configure(config):
@@ -66,3 +67,16 @@ def jit_cache() -> str:
 def tiny_gguf_path() -> Path:
     """The tiny Qwen3.5 target of the fixtures."""
     return TINY_GGUF
+
+
+@pytest.fixture(scope="session")
+def qwen35_gguf_path(tmp_path_factory) -> Path:
+    """The tiny target with the published Qwen3.5 chat template as its `tokenizer.chat_template`, every other key and
+    tensor the fixture's: a model whose own template renders tools, reasoning and tool results (docs/testing.md)."""
+    from gguf import GGUFValueType as VT
+
+    from dflash_jax.testing.gguf_writer import rewrite_gguf
+
+    path = tmp_path_factory.mktemp("qwen35-template") / TINY_GGUF.name
+    rewrite_gguf(TINY_GGUF, path, set_keys=[("tokenizer.chat_template", QWEN35_TEMPLATE.read_text(), VT.STRING, None)])
+    return path

@@ -317,11 +317,11 @@ def budgeted(srv, ids, n, limit) -> list[dict]:
             {"type": "text", "text": srv.tok.decode(rest.tokens, skip_stops=True).lstrip(), "citations": None}]
 
 
-def test_snapshots_of_a_reply_under_a_reasoning_budget_serve_later_requests(tiny_gguf_path):
+def test_snapshots_of_a_reply_under_a_reasoning_budget_serve_later_requests(qwen35_gguf_path):
     """A reply whose think block the budget closes runs the engine twice; the snapshots of its prompt (taken by the
     first run) serve another conversation with the same system prompt, then the conversation's own next turn, both
     answering what fresh runs answer (Qwen3.5's template, thinking on)."""
-    srv = Server(tiny_gguf_path, chat_template=QWEN35, max_ctx=SERVER_CTX, prefix_cache_bytes=2**30)
+    srv = Server(qwen35_gguf_path, max_ctx=SERVER_CTX, prefix_cache_bytes=2**30)
     try:
         client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
         system, n, limit = system_prompt("heaps"), 4, 14

@@ -78,18 +78,19 @@ class FaultyTokenizer:
 
 
 class Server:
-    """The app over the fixture pair on 127.0.0.1 in a thread; `chat_template` replaces the fixture's own (which
-    ignores thinking) for the requests; a prefix cache of `prefix_cache_bytes` (0: none)."""
+    """The app over the fixture pair on 127.0.0.1 in a thread; the target may be the fixture's copy with Qwen3.5's
+    chat template (conftest.qwen35_gguf_path) in place of its own, which ignores thinking; a prefix cache of
+    `prefix_cache_bytes` (0: none)."""
 
-    def __init__(self, tiny_gguf_path, max_queue: int = MAX_QUEUE, chat_template: str | None = None,
-                 max_ctx: int = MAX_CTX, prefix_cache_bytes: int = 0):
+    def __init__(self, tiny_gguf_path, max_queue: int = MAX_QUEUE, max_ctx: int = MAX_CTX,
+                 prefix_cache_bytes: int = 0):
         from dflash_jax.config import EngineConfig
         from dflash_jax.engine.generate import Engine
         from dflash_jax.load import load_draft, load_target
         from dflash_jax.server.app import build_app
         from dflash_jax.server.request import Settings
         from dflash_jax.server.worker import Worker
-        from dflash_jax.tokenizer import Tokenizer, load_tokenizer
+        from dflash_jax.tokenizer import load_tokenizer
 
         target = load_target(tiny_gguf_path, progress=False)
         draft = load_draft(TINY / "draft-full", target.config, progress=False)
@@ -98,9 +99,7 @@ class Server:
         self.gated, self.logs = GatedEngine(self.engine), []
         self.worker = Worker(self.gated, self.tok, max_queue, log=self.logs.append,
                              prefix_cache_bytes=prefix_cache_bytes)
-        tok = self.tok if chat_template is None else Tokenizer(self.tok.backend, self.tok.token_bytes, self.tok.special,
-                                                               self.tok.eos_id, chat_template, self.tok.bos_token)
-        self.parsing = FaultyTokenizer(tok)
+        self.parsing = FaultyTokenizer(self.tok)
         self.settings = Settings(self.parsing, "tiny", max_ctx, target.config.vocab_size)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

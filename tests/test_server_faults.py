@@ -2,7 +2,8 @@
 JSON that is not Unicode text or nests too deeply, a `serve` that cannot bind, a second turn with thinking off; then
 100 concurrent clients of both APIs, some leaving while queued or mid-stream, after which the server is healthy,
 answers correctly, and its handlers, connections, jobs and memory are back where they were. The server is the one of
-test_server.py (the fixture pair on 127.0.0.1, in a thread) with the Qwen3.5 chat template."""
+test_server.py (the fixture pair on 127.0.0.1, in a thread) serving the fixture's copy with the Qwen3.5 chat template
+(conftest.qwen35_gguf_path)."""
 
 import contextlib
 import gc
@@ -23,17 +24,16 @@ import openai
 import psutil
 import pytest
 
-from conftest import FIXTURES, ROOT
+from conftest import ROOT
 from test_server import USER, Server, claude, oai  # noqa: F401 (fixtures, on this module's server)
 
 MAX_QUEUE = 128  # room for every client of the crowd
-QWEN35 = (FIXTURES / "templates" / "qwen3.5.jinja").read_text()  # renders no empty think block into history
 MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gguf_path):
-    srv = Server(tiny_gguf_path, max_queue=MAX_QUEUE, chat_template=QWEN35)
+def server(qwen35_gguf_path):  # Qwen3.5's own template renders no empty think block into history
+    srv = Server(qwen35_gguf_path, max_queue=MAX_QUEUE)
     yield srv
     srv.close()
 

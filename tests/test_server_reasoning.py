@@ -9,13 +9,12 @@ import dataclasses
 
 import pytest
 
-from conftest import TINY_GGUF
 from dflash_jax.chat_template import render
 from dflash_jax.engine.generate import Generation
 from dflash_jax.server import anthropic_api, budget, openai_api, responses_api
 from dflash_jax.server.reply import THINK_CLOSE, split_reasoning
 from dflash_jax.server.request import Settings
-from dflash_jax.tokenizer import Tokenizer, load_tokenizer
+from dflash_jax.tokenizer import load_tokenizer
 from test_server import USER, Server, claude, oai  # noqa: F401 (fixtures, on this module's server)
 from test_server_tools import ARGUMENTS, CALL, CLAUDE_TOOLS, QWEN35, TOOLS, blocks, streamed
 
@@ -24,8 +23,8 @@ REASONED = "Let me think.\n\nIt is 4.\n</think>\n\nThe answer is 4."
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gguf_path):
-    srv = Server(tiny_gguf_path, chat_template=QWEN35, max_ctx=1024)
+def server(qwen35_gguf_path):
+    srv = Server(qwen35_gguf_path, max_ctx=1024)
     yield srv
     srv.close()
 
@@ -130,10 +129,8 @@ def test_a_budget_closes_the_think_block_after_n_tokens(server, claude):
 
 
 @pytest.fixture(scope="module")
-def settings():
-    tok = load_tokenizer(TINY_GGUF)
-    return Settings(Tokenizer(tok.backend, tok.token_bytes, tok.special, tok.eos_id, QWEN35, tok.bos_token), "tiny",
-                    1024, 1024, reasoning_budget=7)
+def settings(qwen35_gguf_path):
+    return Settings(load_tokenizer(qwen35_gguf_path), "tiny", 1024, 1024, reasoning_budget=7)
 
 
 @pytest.mark.parametrize("body, want", [
@@ -201,8 +198,8 @@ class ScriptedEngine:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(TINY_GGUF)
+def tok(tiny_gguf_path):
+    return load_tokenizer(tiny_gguf_path)
 
 
 def run_budget(tok, script, n_budget, n_gen, halt=False):

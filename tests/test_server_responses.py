@@ -22,8 +22,8 @@ PROMPT = USER[0]["content"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gguf_path):
-    srv = Server(tiny_gguf_path, chat_template=QWEN35, max_ctx=MAX_CTX)
+def server(qwen35_gguf_path):
+    srv = Server(qwen35_gguf_path, max_ctx=MAX_CTX)
     yield srv
     srv.close()
 

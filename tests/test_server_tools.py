@@ -2,7 +2,9 @@
 (issue 44, item 1): tools and earlier calls and results rendered into the prompt by the published Qwen3.5 template, a
 reply's Qwen3-Coder XML returned as `tool_calls` (streamed as `delta.tool_calls` with the arguments in pieces) and as
 `tool_use` blocks (streamed as `input_json_delta`), round trips, `tool_choice` none, required (any) and a named
-function, one call only, malformed XML as plain content, and the refusals.
+function, one call only, malformed XML as plain content, and the refusals. The template is the model's own: the
+server reads it from the test GGUF (the fixture with the published template as `tokenizer.chat_template`,
+conftest.qwen35_gguf_path), as it does a user's; a GGUF without one gets ChatML, which renders no tools.
 
 The random fixture model does not write tool calls, so the replies that call tools are forced: the test server's
 engine emits a given token script, a token at a time, instead of the model's choice
@@ -13,13 +15,18 @@ import json
 
 import openai
 import pytest
+from gguf import GGUFReader
 
-from conftest import FIXTURES
+from conftest import QWEN35_TEMPLATE
 from dflash_jax.chat_template import render
+from dflash_jax.server import anthropic_api, openai_api
+from dflash_jax.server.request import BadRequest, Settings
 from dflash_jax.server.tool_use import FORCED_CALL
+from dflash_jax.testing.gguf_writer import rewrite_gguf
+from dflash_jax.tokenizer import load_tokenizer
 from test_server import USER, Server, claude, oai  # noqa: F401 (fixtures, on this module's server)
 
-QWEN35 = (FIXTURES / "templates" / "qwen3.5.jinja").read_text()
+QWEN35 = QWEN35_TEMPLATE.read_text()  # the test model's own (conftest.qwen35_gguf_path); the tests render it
 MAX_CTX = 1024  # the template's tool instructions alone are about 470 tokens of the fixture's vocabulary
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -42,10 +49,15 @@ MALFORMED = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gguf_path):
-    srv = Server(tiny_gguf_path, chat_template=QWEN35, max_ctx=MAX_CTX)
+def server(qwen35_gguf_path):
+    srv = Server(qwen35_gguf_path, max_ctx=MAX_CTX)
     yield srv
     srv.close()
+
+
+def metadata(reader: GGUFReader) -> dict:
+    """A GGUF's key-value metadata (not the header's counts)."""
+    return {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 def template_ids(server, messages, tools=None) -> list[int]:
@@ -100,6 +112,37 @@ def test_tools_are_rendered_into_the_prompt_and_the_reply_is_the_engines(server,
         s = streamed(oai.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=choice,
                                                  max_tokens=8, stream=True))
         assert s["content"] == want and s["calls"] == [] and s["finish"] == r.choices[0].finish_reason
+
+
+def test_the_template_is_the_gguf_s_own(server, claude, qwen35_gguf_path, tiny_gguf_path):
+    """The test model is the fixture with the published template as its `tokenizer.chat_template`, every other key and
+    tensor as stored; the server, given no template, reads it from the file: a tools request's prompt, as each API
+    builds it, is exactly the template's own rendering."""
+    fixture, copy = GGUFReader(tiny_gguf_path), GGUFReader(qwen35_gguf_path)
+    assert metadata(copy) == {**metadata(fixture), "tokenizer.chat_template": QWEN35}
+    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in copy.tensors] == \
+        [(t.name, t.tensor_type, t.data.tobytes()) for t in fixture.tensors]
+    assert server.settings.tokenizer.chat_template == QWEN35 != load_tokenizer(tiny_gguf_path).chat_template
+    ids = template_ids(server, USER, TOOLS)
+    assert openai_api.parse_chat({"messages": USER, "tools": TOOLS}, server.settings).ids == ids
+    assert anthropic_api.prompt_ids({"messages": USER, "tools": CLAUDE_TOOLS}, server.settings) == ids
+    assert claude.messages.count_tokens(model="tiny", messages=USER, tools=CLAUDE_TOOLS).input_tokens == len(ids)
+
+
+def test_a_gguf_without_a_template_gets_chatml_which_renders_no_tools(tiny_gguf_path, tmp_path):
+    """The documented fallback (README, chat_template.py): ChatML, with the empty think block of thinking off; tools,
+    which ChatML would drop, get a 400 in both APIs."""
+    path = tmp_path / "no-template.gguf"
+    rewrite_gguf(tiny_gguf_path, path, drop_keys=["tokenizer.chat_template"])
+    settings = Settings(load_tokenizer(path), "tiny", MAX_CTX, 1024)
+    assert settings.tokenizer.chat_template is None
+    text = f"<|im_start|>user\n{USER[0]['content']}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert openai_api.parse_chat({"messages": USER}, settings).ids == settings.tokenizer.encode(text)
+    for api, body in [(openai_api.parse_chat, {"messages": USER, "tools": TOOLS}),
+                      (anthropic_api.prompt_ids, {"messages": USER, "tools": CLAUDE_TOOLS})]:
+        with pytest.raises(BadRequest, match="'tools' need a chat template that renders them") as e:
+            api(body, settings)
+        assert e.value.param == "tools" and e.value.status == 400
 
 
 def test_a_forced_call_comes_back_as_tool_calls_with_typed_arguments(server, oai):
