@@ -198,13 +198,38 @@ def phase_times(engine: Engine, state, iters: int, only_verify: bool = False) ->
     return out
 
 
+# Slots of random rows fake_context makes at a time: its only temporaries are one page's float32 rows and their
+# quantization (16 MiB of rows for the 27B's 4 KV heads x 256), never a whole cache in float32 (16 GiB for the 27B's
+# keys at 256K).
+FILL_PAGE = 4096
+
+
+@functools.partial(jax.jit, static_argnames=("pages", "page"), donate_argnums=0)
+def fill_random(cache, key: jax.Array, pages: int, page: int):
+    """A stacked cache [layers, slots, ...] (float or blocks, donated) with random rows (normal x 0.5, stored in its
+    KV type) at slots 0 .. pages * page - 1 of every layer, written page by page in place. A page that would pass the
+    cache's end is written ending at it. An update of a slice, not a scatter: XLA's CPU backend scatters into a
+    bfloat16 array through a float32 copy of all of it."""
+    rest = cache.shape[2:]
+
+    def body(i, c):
+        rows = kvq.stored(jax.random.normal(jax.random.fold_in(key, i), (1, page, *rest), jnp.float32) * 0.5, c)
+        at = lambda x: (i // pages, (i % pages) * page) + (0,) * (x.ndim - 2)  # noqa: E731
+        return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice(x, r, at(x)), c, rows)
+
+    return jax.lax.fori_loop(0, cache.shape[0] * pages, body, cache)
+
+
 def fake_context(state, length: int, seed: int = 0):
-    """The decode state with `length` committed tokens of random keys and values (target and drafter caches), for
-    timing long contexts without prefilling them; GDN and conv state stay as they were."""
+    """The decode state (donated) with `length` committed tokens of random keys and values (target and drafter
+    caches), for timing long contexts without prefilling them; GDN and conv state stay as they were."""
     key = jax.random.key(seed)
 
-    def rand(x, i):  # in the cache's KV type (cast or quantized)
-        return kvq.stored(jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) * 0.5, x)
+    def rand(x, i):  # slots 0..length-1 of each layer, a page at a time
+        if length > x.shape[1]:
+            raise ValueError(f"a context of {length} tokens does not fit a cache of {x.shape[1]} slots")
+        size = max(1, min(FILL_PAGE, length))
+        return fill_random(x, jax.random.fold_in(key, i), pages=-(-length // size), page=size)
 
     t = state.target
     t = dataclasses.replace(t, k=rand(t.k, 0), v=rand(t.v, 1), length=jnp.int32(length))

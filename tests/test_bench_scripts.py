@@ -319,3 +319,42 @@ def test_bench_kernels_kernel_times_by_name():
     assert r["kernels_us"] == pytest.approx({"tree_attention_1": 2.0, "loop_fusion": 1.0})
     assert bench_kernels._kernel_note(r, "tree_attention") == "  kernels      3.0 us (tree_attention      2.0 us)"
     assert bench_kernels.kernel_times({}) == {} and bench_kernels._kernel_note({}, "gdn") == ""  # a CPU trace
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "rq3_0", "bf16"])
+def test_fill_random_takes_a_page_at_a_time(kind):
+    """`--long`'s random cache (bench.fill_random) is made a page at a time, in place: its temporaries are the same
+    for a cache of 20,000 or 80,000 slots and a fraction of the float32 copy of the smaller one (the whole cache in
+    float32 would be 32 GiB for the 27B at 256K); slots 0..pages * page - 1 of each layer hold random rows of scale
+    0.5 in the cache's type, the rest stay as they were."""
+    import bench
+    import jax
+    import numpy as np
+
+    from dflash_jax import kv_quant as kvq
+
+    def temp(slots):
+        cache = kvq.empty(kind, (2, slots, 1, 32))
+        return bench.fill_random.lower(cache, jax.random.key(0), pages=3, page=1000).compile() \
+            .memory_analysis().temp_size_in_bytes
+
+    small = temp(20_000)
+    assert small == temp(80_000) and small < 2 * 20_000 * 32 * 4 / 4
+    cache = kvq.empty(kind, (2, 20_000, 1, 32))
+    out = np.asarray(kvq.readable(bench.fill_random(cache, jax.random.key(0), pages=3, page=1000)), np.float32)
+    assert all(x.is_deleted() for x in jax.tree.leaves(cache))  # donated: filled in place
+    assert abs(out[:, :3000].std() - 0.5) < 0.02 and not np.any(out[:, 3000:])
+    assert not np.allclose(out[0, :3000], out[1, :3000])
+
+
+def test_bench_long_with_a_block_kv_type(tmp_path):
+    """`--sections long` with q4_0 on the tiny pair: AR and DDTree steps over a random cache of 300 tokens."""
+    import bench
+
+    out = tmp_path / "long.json"
+    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "long", "--long", "300", "--max_ctx", "256",
+                       "--prompt_len", "16", "--iters", "1", "--steps", "2", "--impl", "reference", "--kv_type", "q4_0"])
+    res = json.loads(out.read_text())
+    row, = res["long"]
+    assert res["engine"]["kv_type"] == "q4_0" and row["context"] == 300
+    assert row["ar_step_ms"] > 0 and row["ddtree_step_ms"] > 0 and row["phases_ms"]["verify"] > 0
