@@ -388,7 +388,7 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_enum("numerics", None, list(NUMERICS), "exact: speculative decoding emits exactly what AR emits "
                       "(the same rounding at every row count; float32 delta-rule products, slower on a GPU); fast: "
                       "one-token int8 GEMVs, TF32 delta-rule products, bf16 softmax weights: NOT exact. Default: exact "
-                      "on a CPU, fast on a GPU.", flag_values=fv)
+                      "(the drafter always runs fast: it cannot change the output).", flag_values=fv)
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.", flag_values=fv)
 
