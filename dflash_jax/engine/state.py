@@ -109,9 +109,9 @@ def take_snapshot(target: TargetState, draft: Any, length: int, mark: Mark | Non
 def restore(snapshot: Snapshot, target: TargetState, draft: Any) -> DecodeState:
     """A state holding what `snapshot` holds, written into empty states (consumed); the snapshot stays usable.
     Nothing is pending: continue it with `keep_pending=False`."""
-    if snapshot.length > min(c.shape[1] for c in _attention_caches(target, draft)):
-        raise ValueError(f"a snapshot of {snapshot.length} tokens does not fit caches of {target.slots} slots")
     caches = _attention_caches(target, draft)
+    if snapshot.length > min(c.shape[1] for c in caches):
+        raise ValueError(f"a snapshot of {snapshot.length} tokens does not fit caches of {target.slots} slots")
     for i, page in enumerate(snapshot.pages):
         caches = _put_page(caches, page, jnp.int32(i * PAGE))
     mark = snapshot.mark
