@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import KernelConfig
@@ -17,11 +18,41 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
 
 
+# RoPE angles as exact turns: a float32 product pos * inv_freq is off by up to half an ulp of the angle (0.008 rad
+# at position 262,143 for inv_freq 1), and so are HF's and llama.cpp's, each differently. The position is split into
+# 12-bit chunks and each chunk's share of the turn, (chunk * 2^shift * inv_freq / 2pi) mod 1, is summed from products
+# that are exact in float32 (a 12-bit chunk times a 12-bit fixed-point part of a float64 constant), so the angle is
+# the float64 one to about 1e-6 rad at any int32 position (tests/test_long_context.py).
+_CHUNK_BITS = 12
+
+
+def _split_turns(c: np.ndarray) -> list[np.ndarray]:
+    """Float64 fractions c [half] in [0, 1) as three float32 parts: two of 12 fixed-point bits each (multiples of
+    2^-12 and 2^-24, whose product with a 12-bit integer is exact) and the rest."""
+    one = 2.0 ** _CHUNK_BITS
+    hi = np.floor(c * one) / one
+    mid = np.floor((c - hi) * one * one) / (one * one)
+    return [p.astype(np.float32) for p in (hi, mid, c - hi - mid)]
+
+
+def rope_turns(pos: jax.Array, rope_dim: int, theta: float) -> jax.Array:
+    """pos [N] int * inv_freq / 2pi mod 1, in [-0.5, 0.5): float32 [N, rope_dim / 2], exact to a few float32 ulps."""
+    inv_freq = 1.0 / (float(theta) ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    pos = pos.astype(jnp.int32)
+    mask = (1 << _CHUNK_BITS) - 1
+    turns = jnp.zeros((pos.shape[0], rope_dim // 2), jnp.float32)
+    for shift in range(0, 32, _CHUNK_BITS):  # 3 chunks cover int32
+        chunk = ((pos >> shift) & mask).astype(jnp.float32)[:, None]
+        for part in _split_turns(np.mod(inv_freq / (2 * np.pi) * 2.0 ** shift, 1.0)):
+            x = chunk * part[None, :]
+            turns = turns + (x - jnp.floor(x))
+    return turns - jnp.round(turns)
+
+
 def rope(x: jax.Array, pos: jax.Array, rope_dim: int, theta: float) -> jax.Array:
     """NeoX rotate-half RoPE on the first rope_dim dims of each head: x [N, H, D], pos [N]."""
     half = rope_dim // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim))
-    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, half]
+    angle = rope_turns(pos, rope_dim, theta) * np.float32(2 * np.pi)  # [N, half]
     cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
     x1, x2, rest = x[..., :half], x[..., half:rope_dim], x[..., rope_dim:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
