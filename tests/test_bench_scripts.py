@@ -353,7 +353,8 @@ def test_bench_long_with_a_block_kv_type(tmp_path):
 
     out = tmp_path / "long.json"
     run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "long", "--long", "300", "--max_ctx", "256",
-                       "--prompt_len", "16", "--iters", "1", "--steps", "2", "--impl", "reference", "--kv_type", "q4_0"])
+                       "--prompt_len", "16", "--iters", "1", "--steps", "2", "--impl", "reference",
+                       "--kv_type", "q4_0"])
     res = json.loads(out.read_text())
     row, = res["long"]
     assert res["engine"]["kv_type"] == "q4_0" and row["context"] == 300

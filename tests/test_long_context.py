@@ -46,7 +46,10 @@ def test_rope_relative_position_far_out():
     """Scores depend on the distance only: a query and key 7 apart score the same at 10 and past 2^18."""
     rng = np.random.default_rng(1)
     q, k = (jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.float32) for _ in range(2))
-    score = lambda p: float(jnp.sum(rope(q, jnp.array([p + 7]), 64, 1e7) * rope(k, jnp.array([p]), 64, 1e7)))  # noqa: E731
+
+    def score(p):
+        return float(jnp.sum(rope(q, jnp.array([p + 7]), 64, 1e7) * rope(k, jnp.array([p]), 64, 1e7)))
+
     assert score(262136) == pytest.approx(score(10), abs=2e-5)
 
 

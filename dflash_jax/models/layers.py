@@ -22,7 +22,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 # at position 262,143 for inv_freq 1), and so are HF's and llama.cpp's, each differently. The position is split into
 # 12-bit chunks and each chunk's share of the turn, (chunk * 2^shift * inv_freq / 2pi) mod 1, is summed from products
 # that are exact in float32 (a 12-bit chunk times a 12-bit fixed-point part of a float64 constant), so the angle is
-# the float64 one to about 1e-6 rad at any int32 position (tests/test_long_context.py).
+# the float64 one to within 1e-6 of a turn at any int32 position (tests/test_long_context.py).
 _CHUNK_BITS = 12
 
 
