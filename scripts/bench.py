@@ -350,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=10, help="calls per phase timing (median)")
     ap.add_argument("--max_ctx", type=int, default=4096)
     ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree steps at")
+    ap.add_argument("--long_phases", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the DDTree step's phases at each long context (each phase compiles alone)")
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree steps here")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
     add_engine_flags(ap)
@@ -457,7 +459,7 @@ def run(args: argparse.Namespace) -> None:
                 engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row[f"{mode}_state_bytes"] = synthetic.tree_bytes(state)
-                if mode == "ddtree":
+                if mode == "ddtree" and args.long_phases:
                     row["phases_ms"] = phase_times(engine, fake_context(state, length), args.iters)
                     state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row[f"{mode}_step_ms"], _ = decode_step_ms(engine, fake_context(state, length), first, args.steps)

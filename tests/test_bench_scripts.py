@@ -363,3 +363,7 @@ def test_bench_long_with_a_block_kv_type(tmp_path):
     row, = res["long"]
     assert res["engine"]["kv_type"] == "q4_0" and row["context"] == 300
     assert row["ar_step_ms"] > 0 and row["ddtree_step_ms"] > 0 and row["phases_ms"]["verify"] > 0
+    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "long", "--long", "300", "--max_ctx", "256",
+                       "--prompt_len", "16", "--steps", "2", "--impl", "reference", "--no-long_phases"])
+    row, = json.loads(out.read_text())["long"]
+    assert row["ddtree_step_ms"] > 0 and row["budget"] == 8 and "phases_ms" not in row  # a CPU's budget
