@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dflash_jax import kv_quant as kvq
+from dflash_jax.quant import Unsupported
 from pallas_kernels.tiles import as_float32, dot_tile
 
 NEG = -1e30  # finite "minus infinity": an all-masked row keeps max NEG, sum 0, and no NaN
@@ -188,8 +189,8 @@ def _check(q: jax.Array, k_cache: Any, v_cache: Any, k_blk: Any, v_blk: Any, blo
                              f"({_kind(cache) or 'float'}): the block program decodes them as the prefix's")
     nb = d // kvq.BLOCK
     if (_kind(k_cache) or _kind(v_cache)) and nb & (nb - 1):
-        raise NotImplementedError(f"tree_attention: a block-type cache needs head_dim / 32 a power of two (the "
-                                  f"Triton tiles of its fields); head_dim {d}")
+        raise Unsupported(f"the tree-attention kernel reads a block-type KV cache for a head_dim / 32 that is a power "
+                          f"of two (the Triton tiles of its fields); this model's head_dim is {d}")
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "block_rows", "block_k", "num_warps", "num_stages",
