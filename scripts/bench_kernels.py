@@ -21,9 +21,11 @@ also counts GGUF bytes (its layouts read 2.8 % and 1 % more). `--variants` optio
 both Mosaic kernels here.
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
-heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
-over the read-stream rate. Also the jnp reference under XLA. `--sweep` also times tiles (rows, keys, warps, stages) at the
-default split and splits at the default tile.
+heads x 256) in one call, for each cache type of `--kv_types` (default bf16; the block types are read as stored, the
+block's own rows in the cache's type, as the model passes them); floor = the bytes it must read (K and V of the
+context as stored, the block's q/k/v) over the read-stream rate. Also the jnp reference under XLA (over the dequantized
+cache). `--sweep` also times tiles (rows, keys, warps, stages) at the default split and splits at the default
+tile.
 
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
 chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import sys
@@ -56,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (copy_rate, environment, read_rate, gdn_layer_inputs, median_seconds,  # noqa: E402
                       kernel_seconds_by_name, parse_options)
 
-from dflash_jax.config import NUMERICS, load_target_config  # noqa: E402
+from dflash_jax import kv_quant as kvq  # noqa: E402
+from dflash_jax.config import KV_TYPES, NUMERICS, load_target_config  # noqa: E402
 from dflash_jax.defaults import resolve_kernels  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models.target import Block  # noqa: E402
@@ -69,7 +73,7 @@ from pallas_kernels import qmatmul as qm  # noqa: E402
 from pallas_kernels import qmatmul_mgpu as mg  # noqa: E402
 from pallas_kernels import qmatmul_mgpu_q6k as q6  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
-from pallas_kernels.tree_attention import tree_attention  # noqa: E402
+from pallas_kernels.tree_attention import row_bytes, tree_attention  # noqa: E402
 from pallas_kernels.tree_conv import tree_conv  # noqa: E402
 
 CONFIG_27B = Path(__file__).resolve().parents[1] / "configs" / "qwen3.5-27b.json"
@@ -235,23 +239,33 @@ def _random_tree(n: int, seed: int = 0) -> jax.Array:
     return anc
 
 
-def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True
-                         ) -> list[dict]:
+def _attention_caches(key: jax.Array, layers: int, slots: int, hkv: int, d: int, kind: str) -> list[tuple]:
+    """Per layer, random K and V caches [slots, hkv, d] in KV type `kind` (drawn in bf16, then cast or quantized)."""
+    draw = lambda k: kvq.stored(jax.random.normal(k, (slots, hkv, d), jnp.bfloat16),  # noqa: E731
+                                kvq.empty(kind, (slots, hkv, d)))
+    return [(draw(jax.random.fold_in(key[0], i)), draw(jax.random.fold_in(key[1], i))) for i in range(layers)]
+
+
+def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True,
+                         kv_types: tuple[str, ...] = ("bf16",)) -> list[dict]:
     cfg = load_target_config(CONFIG_27B)
     layers, hq, hkv, d = len(cfg.full_attention_layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     anc, lo = _random_tree(n), jnp.zeros(n, jnp.int32)
     rows = []
-    for context in contexts:
+    for context, kind in itertools.product(contexts, kv_types):
         slots = context + 64
         key = jax.random.split(jax.random.key(context), 5)
-        caches = [(jax.random.normal(jax.random.fold_in(key[0], i), (slots, hkv, d), jnp.bfloat16),
-                   jax.random.normal(jax.random.fold_in(key[1], i), (slots, hkv, d), jnp.bfloat16))
-                  for i in range(layers)]
+        caches = _attention_caches(key, layers, slots, hkv, d, kind)
         q = jax.random.normal(key[2], (n, hq, d))
         kb, vb = (jax.random.normal(k, (n, hkv, d)) for k in key[3:5])
+        if kvq.kv_type(kind).blocked:  # the block's rows in the cache's type, as models/target.py passes them
+            kb, vb = kvq.stored(kb, caches[0][0]), kvq.stored(vb, caches[0][1])
         length = jnp.int32(context)
-        floor_bytes = layers * (2 * context * hkv * d * 2 + (n * hq * d + 2 * n * hkv * d) * 4)
-        want = ref.tree_attention(q, *caches[0], length, kb, vb, anc, lo)
+        stored = row_bytes(caches[0][0])
+        floor_bytes = layers * (2 * context * hkv * stored + n * hq * d * 4 + 2 * n * hkv * row_bytes(kb))
+        read = lambda cs: [(kvq.readable(kc), kvq.readable(vc)) for kc, vc in cs]  # noqa: E731
+        rows_b = kvq.readable(kb), kvq.readable(vb)
+        want = ref.tree_attention(q, *read(caches[:1])[0], length, *rows_b, anc, lo)
         variants = [dict()]
         if sweep:
             # tiles at the default split, then the split at the default tile (the 2026-11-23 and -27 files hold
@@ -259,6 +273,7 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
             variants += [dict(block_rows=r, block_k=b, num_warps=w, num_stages=st) for r in (32, 64, 128)
                          for b in (32, 64) for w in (4, 8) for st in (2, 3)]
             variants += [dict(splits=s) for s in (8, 32, 64)]
+        label = f"ctx={context:6d} N={n} {kind:5s}"
         for opts in variants:
             try:
                 run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo, exact=exact,
@@ -266,22 +281,23 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
                 err = float(jnp.linalg.norm(run(q, caches)[0] - want) / jnp.linalg.norm(want))
                 t = median_seconds(run, q, caches)
             except Exception as e:  # a variant that does not compile is a result of the sweep, not a failure
-                print(f"  tree_attention ctx={context} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"  tree_attention {label} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             floor = floor_bytes / stream
-            rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers,
+            rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers, kv_type=kind,
                              **(opts or {"tile": "default"}),
                              us=t * 1e6, floor_us=floor * 1e6, floor_ratio=floor / t, rel_err=err,
                              **_kernel_times(run, q, caches)))
-            print(f"  tree_attention ctx={context:6d} N={n} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
+            print(f"  tree_attention {label} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
                   f"(floor {floor*1e6:7.1f} us, {floor / t:4.2f} of it)  err {err:.1e}"
                   + _kernel_note(rows[-1], "tree_attention"), flush=True)
-        xla = jax.jit(lambda q, cs: [ref.tree_attention(q, kc, vc, length, kb, vb, anc, lo) for kc, vc in cs])
+        # the reference dequantizes each layer as the model's reference path does
+        xla = jax.jit(lambda q, cs: [ref.tree_attention(q, kc, vc, length, *rows_b, anc, lo) for kc, vc in read(cs)])
         t = median_seconds(xla, q, caches)
-        rows.append(dict(kernel="xla_tree_attention", context=context, n=n, layers=layers, us=t * 1e6,
-                         floor_us=floor_bytes / stream * 1e6, floor_ratio=floor_bytes / stream / t,
+        rows.append(dict(kernel="xla_tree_attention", context=context, n=n, layers=layers, kv_type=kind,
+                         us=t * 1e6, floor_us=floor_bytes / stream * 1e6, floor_ratio=floor_bytes / stream / t,
                          **_kernel_times(xla, q, caches)))
-        print(f"  tree_attention ctx={context:6d} N={n} {'XLA reference':45s} {t*1e6:8.1f} us"
+        print(f"  tree_attention {label} {'XLA reference':45s} {t*1e6:8.1f} us"
               + (f"  kernels {rows[-1]['kernel_us']:8.1f} us" if "kernel_us" in rows[-1] else ""), flush=True)
         del caches
     return rows
@@ -395,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
                     choices=["qmatmul", "qmatmul_mgpu", "tree_attention", "gdn", "tree_conv"],
                     help="which kernels to time")
+    ap.add_argument("--kv_types", nargs="+", choices=KV_TYPES, default=["bf16"],
+                    help="tree_attention's cache types (K and V alike)")
     ap.add_argument("--numerics", choices=NUMERICS, default=None,
                     help="the kernels' rounding (KernelConfig.numerics); default: this device's, as generate's")
     args = ap.parse_args(argv)
@@ -409,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     if "qmatmul_mgpu" in args.kernels:
         rows += bench_qmatmul_mgpu(args.m, stream, set(args.only or ()), args.variants)
     if "tree_attention" in args.kernels:
-        rows += bench_tree_attention(stream, args.sweep, exact=exact)
+        rows += bench_tree_attention(stream, args.sweep, exact=exact, kv_types=tuple(args.kv_types))
     if "gdn" in args.kernels:
         rows += bench_gdn(stream, exact=exact)
     if "tree_conv" in args.kernels:
@@ -420,8 +438,8 @@ def main(argv: list[str] | None = None) -> None:
         if r["kernel"] not in ("qmatmul", "qmatmul_mgpu", "xla_dequant_dot") and "splits" not in r:  # not a sweep
             extra = f"  {r['floor_ratio']:.2f} of floor" if "floor_ratio" in r else ""
             extra += f"  {r['of_ar']:.3f} of AR weights" if "of_ar" in r else ""
-            print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} {r['us']:9.1f} us"
-                  + extra)
+            print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} "
+                  f"{r.get('kv_type', ''):5s} {r['us']:9.1f} us" + extra)
     if "qmatmul" in args.kernels:
         print(qmatmul_table(rows, args.m, [shape for shape in SHAPES
                                            if not args.only or f"{shape[0]}:{shape[1]}" in args.only]))

@@ -215,13 +215,13 @@ def test_qmatmul_sass_reads_the_kernel_ir_and_its_loops():
 
 def test_attn_smem_lowers_tree_attention_with_its_default_stages():
     """scripts/attn_smem.py's Triton IR of tree attention without a GPU: the 27B's bfloat16 caches launch with three
-    pipeline stages, its float32 ones with two (three asked more shared memory than an SM has)."""
+    pipeline stages, its float32 ones with two (three asked more shared memory than an SM has), its q8_0 ones with
+    three."""
     import attn_smem
-    import jax.numpy as jnp
 
-    for dtype, expected in ((jnp.bfloat16, 3), (jnp.float32, 2)):
-        ir_text, warps, stages = attn_smem.triton_ir(24, 4, 256, dtype)
-        assert '"tt.dot"' in ir_text and (warps, stages) == (4, expected), (dtype, warps, stages)
+    for kind, expected in (("bf16", 3), ("f32", 2), ("q8_0", 3)):
+        ir_text, warps, stages = attn_smem.triton_ir(24, 4, 256, kind)
+        assert '"tt.dot"' in ir_text and (warps, stages) == (4, expected), (kind, warps, stages)
 
 
 def test_mgpu_ptx_counts_the_kernels_instructions(capsys):
