@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dflash_jax.config import KernelConfig, TargetConfig
 from dflash_jax.errors import InputError
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import target
-from dflash_jax.models.target import TargetState
+from dflash_jax.models.target import Target, TargetState
 
 DEFAULT_CHUNK = 64  # the chunked gated delta rule's chunk: one compilation covers every prompt length
+Split = tuple[nnx.GraphDef, nnx.State]  # a module as nnx.split gives it: (graph, weights)
+
 
 # the state is donated: each chunk writes the caches in place (without, each chunk held a second copy of them)
-_prefill_chunk = jax.jit(target.prefill_chunk, static_argnums=(1, 5, 6), static_argnames=("kcfg",),
-                         donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 2, 6, 7), static_argnames=("kcfg",), donate_argnums=(3,))
+def _prefill_chunk(graph: nnx.GraphDef, weights: nnx.State, cfg: TargetConfig, state: TargetState,
+                   tokens: jax.Array, n_valid: jax.Array, taps: tuple[int, ...], all_logits: bool,
+                   kcfg: KernelConfig = REFERENCE) -> tuple[jax.Array, jax.Array, TargetState]:
+    """target.prefill_chunk of the model (graph, weights), merged at trace time."""
+    return target.prefill_chunk(nnx.merge(graph, weights), cfg, state, tokens, n_valid, taps, all_logits, kcfg)
 
 
 def check_tokens(cfg: TargetConfig, ids: np.ndarray | list[int]) -> np.ndarray:
@@ -43,31 +51,34 @@ def check_room(state: TargetState, n: int) -> None:
                          f"allocated with {state.slots} (raise the context size)")
 
 
-def prefill_chunks(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
+def prefill_chunks(model: Target | Split, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
                    chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), all_logits: bool = False,
                    kcfg: KernelConfig = REFERENCE) -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
     """Commit a prompt chunk by chunk, yielding (real tokens n, logits, taps [chunk, n_taps, H], state) per chunk;
     consumes `state` (each chunk's state is donated to the next).
 
-    Logits are the chunk's last real token's [V], or with all_logits every real token's [n, V]. Taps keep the
-    chunk's padding rows (fixed shape for a jitted consumer such as the drafter); the first n are real. Everything is
-    checked before the first chunk runs, so a bad prompt leaves the state as it was.
+    The model is a Target, or the (graph, weights) of its `nnx.split` (an engine splits once). Logits are the
+    chunk's last real token's [V], or with all_logits every real token's [n, V]. Taps keep the chunk's padding rows
+    (fixed shape for a jitted consumer such as the drafter); the first n are real. Everything is checked before the
+    first chunk runs, so a bad prompt leaves the state as it was.
     """
     ids = check_tokens(cfg, ids)
     check_room(state, len(ids))
+    graph, weights = model if isinstance(model, tuple) else nnx.split(model)
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
         n = len(part)
         tokens = jnp.asarray(np.pad(part, (0, chunk - n)))
-        logits, tapped, state = _prefill_chunk(params, cfg, state, tokens, jnp.int32(n), taps, all_logits, kcfg=kcfg)
+        logits, tapped, state = _prefill_chunk(graph, weights, cfg, state, tokens, jnp.int32(n), taps, all_logits,
+                                               kcfg=kcfg)
         yield n, (logits[:n] if all_logits else logits), tapped, state
 
 
-def prefill(params: dict, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
+def prefill(model: Target | Split, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
             chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), kcfg: KernelConfig = REFERENCE
             ) -> tuple[jax.Array, jax.Array, TargetState]:
     """Commit a prompt: the last token's logits [V], the taps of every prompt token [n, n_taps, H], the state."""
     tapped = []
-    for n, logits, t, state in prefill_chunks(params, cfg, state, ids, chunk=chunk, taps=taps, kcfg=kcfg):
+    for n, logits, t, state in prefill_chunks(model, cfg, state, ids, chunk=chunk, taps=taps, kcfg=kcfg):
         tapped.append(t[:n])
     return logits, jnp.concatenate(tapped), state
