@@ -39,8 +39,8 @@ PROMPT = "class Stack:\n    def __init__(self):\n"
 BOOKKEEPING = re.compile(r"ThunkExecutor|ThreadPool|Threadpool|^end: ")  # executor events, not ops
 PRODUCT = re.compile(r"^(ynn_fusion|xnn_fusion|onednn|dot)")  # XLA:CPU's names for matrix products, by library
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
-# a weight parameter of the step, named by its path in the split target's or drafter's nnx.State
-WEIGHT = re.compile(r"%(tweights|dweights)__(\w+?)___value\.?\d*[,)]")
+# a weight parameter of the step, named by its path in the engine's split weights (tweights, dweights)
+WEIGHT = re.compile(r"%(tweights|dweights)__([\w]+?)__\.?\d*[,)]")
 
 
 def instructions(hlo: str) -> dict[str, tuple[list[int], str | None]]:

@@ -28,8 +28,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_jax.config import EngineConfig, KernelConfig  # noqa: E402
-from dflash_jax.engine import generate as generate_module  # noqa: E402
-from dflash_jax.engine import prefill as prefill_module  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.state import DecodeState  # noqa: E402
 from dflash_jax.engine.step import MAX_STOP_IDS  # noqa: E402
@@ -92,13 +90,11 @@ def fingerprints() -> dict[str, tuple[str, dict[str, int]]]:
                 engine.step, (*weights, state, jnp.full(MAX_STOP_IDS, -1, jnp.int32)), weights)
         tstate, dstate = engine._empty_states()
         out[f"{name}_prefill"] = canonical(
-            prefill_module._prefill_chunk, (engine.tgraph, engine.tweights, cfg, tstate, jnp.zeros(64, jnp.int32),
-                                            jnp.int32(40), engine.drafter.taps, False),
-            engine.tweights, static=(0, 2, 6, 7), kcfg=kcfg)
+            engine.tsplit.chunk, (engine.tweights, cfg, tstate, jnp.zeros(64, jnp.int32), jnp.int32(40),
+                                  engine.drafter.taps, False), engine.tweights, static=(1, 5, 6), kcfg=kcfg)
         out[f"{name}_extend"] = canonical(
-            generate_module._extend, (engine.drafter, engine.dgraph, engine.dweights, dstate,
-                                      jnp.zeros((64, len(dcfg.target_layer_ids), cfg.hidden_size)), jnp.int32(40)),
-            engine.dweights, static=(0, 1))
+            engine.extend, (engine.dweights, dstate, jnp.zeros((64, len(dcfg.target_layer_ids), cfg.hidden_size)),
+                            jnp.int32(40)), engine.dweights)
     return out
 
 

@@ -153,13 +153,12 @@ def test_cpu_step_profile_finds_a_product_and_its_weight(tmp_path):
     of XLA:CPU's threads are found and the product's instruction names the weight it reads."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
-
     import cpu_step_profile as csp
+    from dflash_jax.engine.prefill import split_weights
     from dflash_jax.models.layers import MLP
 
-    _, params = nnx.split(MLP(*(jnp.ones(shape, jnp.float32) for shape in ((64, 32), (64, 32), (32, 64)))))
-    f = jax.jit(lambda tweights, x: jnp.einsum("mi,oi->mo", x, tweights["up_proj"]["weight"].get_value()))
+    _, params = split_weights(MLP(*(jnp.ones(shape, jnp.float32) for shape in ((64, 32), (64, 32), (32, 64)))))
+    f = jax.jit(lambda tweights, x: jnp.einsum("mi,oi->mo", x, tweights["up_proj"]["weight"]))
     x = jnp.ones((3, 32), jnp.float32)
     f(params, x).block_until_ready()
     with jax.profiler.trace(str(tmp_path)):

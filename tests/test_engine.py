@@ -4,13 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from dflash_jax.config import MAX_TREE_NODES, ConfigError, EngineConfig, KernelConfig
-from dflash_jax.engine import generate as engine_module
 from dflash_jax.engine import prefill as prefill_module
 from dflash_jax.engine.generate import Engine
-from dflash_jax.engine.prefill import InputError
+from dflash_jax.engine.prefill import InputError, split_weights
 from dflash_jax.engine.state import DecodeState, rewind
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, make_step
 from dflash_jax.kernels import REFERENCE
@@ -125,7 +123,7 @@ def test_one_compilation_per_mode_for_any_prompt_length(tparams, greedy, mode):
     for seed in range(1, 8):  # prompt lengths 3, 17, 64, 90 and every acceptance pattern
         run_oracle(engine, seed, greedy[seed])
     assert len(compiles) == before, compiles[before:]
-    assert engine.step._cache_size() == 1 and prefill_module._prefill_chunk._cache_size() >= 1
+    assert engine.step._cache_size() == 1 and engine.tsplit.chunk._cache_size() >= 1
 
 
 def test_stop_token_and_n_gen_cut_a_commit_mid_path(tparams, greedy):
@@ -248,7 +246,7 @@ def test_the_step_updates_its_donated_state_in_place(mode):
     state = DecodeState(target=init_state(cfg, max_ctx + MAX_TREE_NODES),
                         draft=drafter.init_state(max_ctx, jnp.float32) if drafter else None,
                         root=jnp.int32(1), remaining=jnp.int32(10), done=jnp.bool_(False))
-    (tgraph, tweights), (dgraph, dweights) = nnx.split(random_target(cfg, seed=4)), nnx.split(
+    (tgraph, tweights), (dgraph, dweights) = split_weights(random_target(cfg, seed=4)), split_weights(
         random_draft(dcfg, seed=3) if drafter else None)
     step = make_step(cfg, drafter, EngineConfig(mode=mode, budget=22, max_ctx=max_ctx), tgraph, dgraph)
     memory = step.lower(tweights, dweights, state,
@@ -265,14 +263,14 @@ def test_prefill_and_the_drafter_context_update_their_donated_state_in_place():
     cfg = tiny_target_config(num_layers=8, **{**SHAPES, "num_heads": 4, "num_kv_heads": 4, "head_dim": 128})
     dcfg = tiny_draft_config(cfg, ("full_attention",) * 4, block_size=BLOCK, taps=(0, 2))
     drafter, max_ctx = DFlashDrafter(dcfg), 4096
-    (tgraph, tweights), (dgraph, dweights) = nnx.split(random_target(cfg, seed=4)), nnx.split(
-        random_draft(dcfg, seed=3))
+    engine = Engine(cfg, random_target(cfg, seed=4), EngineConfig(mode="ddtree", max_ctx=max_ctx), drafter,
+                    random_draft(dcfg, seed=3))
     tstate, dstate = init_state(cfg, max_ctx), drafter.init_state(max_ctx, jnp.float32)
     chunk = prefill_module.DEFAULT_CHUNK
-    calls = [(prefill_module._prefill_chunk, (tgraph, tweights, cfg, tstate, jnp.zeros(chunk, jnp.int32),
-                                              jnp.int32(chunk), drafter.taps, False), tstate),
-             (engine_module._extend, (drafter, dgraph, dweights, dstate, jnp.zeros((chunk, 2, cfg.hidden_size)),
-                                      jnp.int32(chunk)), dstate)]
+    calls = [(engine.tsplit.chunk, (engine.tweights, cfg, tstate, jnp.zeros(chunk, jnp.int32), jnp.int32(chunk),
+                                    drafter.taps, False), tstate),
+             (engine.extend, (engine.dweights, dstate, jnp.zeros((chunk, 2, cfg.hidden_size)), jnp.int32(chunk)),
+              dstate)]
     for fn, args, state in calls:
         memory = fn.lower(*args).compile().memory_analysis()
         assert memory.alias_size_in_bytes == tree_bytes(state)

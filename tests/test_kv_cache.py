@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from conftest import TINY, TINY_GGUF
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import KV_TYPES, MAX_TREE_NODES, EngineConfig, KernelConfig
 from dflash_jax.engine.generate import Engine
-from dflash_jax.engine.prefill import prefill
+from dflash_jax.engine.prefill import prefill, split_weights
 from dflash_jax.engine.state import DecodeState
 from dflash_jax.engine.step import MAX_STOP_IDS, make_step
 from dflash_jax.kernels import REFERENCE
@@ -126,7 +125,7 @@ def test_the_step_writes_a_quantized_cache_in_place(params, mode):
     dequantized layer): no copy of the blocks."""
     max_ctx = 4096
     drafter = OracleDrafter(8, CFG.vocab_size, 0.25) if mode != "ar" else None
-    (tgraph, tweights), (dgraph, dweights) = nnx.split(params), nnx.split(
+    (tgraph, tweights), (dgraph, dweights) = split_weights(params), split_weights(
         {"sequence": jnp.zeros(max_ctx, jnp.int32)} if drafter else None)
     memory = {}
     for kv_type in ("q4_0", "f32"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -13,7 +14,8 @@ from flax import nnx
 
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
-from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
+from dflash_jax.engine.prefill import (DEFAULT_CHUNK, InputError, SplitTarget, check_tokens, prefill_chunks,
+                                       split_weights)
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
@@ -21,10 +23,13 @@ from dflash_jax.kernels import REFERENCE, check_kv_type
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.target import Target, init_state
 
-# the drafter's state is donated: each prompt chunk writes its context cache in place
-_extend = jax.jit(lambda drafter, graph, weights, state, taps, n: drafter.extend(nnx.merge(graph, weights), state,
-                                                                                taps, n),
-                  static_argnums=(0, 1), donate_argnums=(3,))
+
+@functools.lru_cache(maxsize=None)
+def extend_function(drafter: Drafter, graph: nnx.GraphDef) -> Callable:
+    """The jitted `drafter.extend` of params of this graph: (weights, state, taps, n_valid) -> state."""
+    # the drafter's state is donated: each prompt chunk writes its context cache in place
+    return jax.jit(lambda weights, state, taps, n: drafter.extend(nnx.merge(graph, weights), state, taps, n),
+                   donate_argnums=(1,))
 
 
 @jax.jit
@@ -79,15 +84,16 @@ class Engine:
     with the compiled functions they need.
 
     The target module and the drafter's params (a Draft module, or whatever its Drafter takes) are split once
-    (`nnx.split`): the jitted functions take their weights (`tweights`, `dweights`) as arrays and their graphs as
-    static parts, so no step merges or flattens a module."""
+    (`prefill.split_weights`): the jitted functions take their weights (`tweights`, `dweights`, dicts of arrays) and
+    close over their graphs, so no step merges, flattens or hashes a module."""
 
     def __init__(self, tcfg: TargetConfig, tparams: Target, ecfg: EngineConfig, drafter: Drafter | None = None,
                  dparams: Any = None, kcfg: KernelConfig = REFERENCE):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
         self.tcfg, self.ecfg = tcfg, ecfg
-        self.tgraph, self.tweights = nnx.split(tparams)
+        self.tsplit = SplitTarget.of(tparams)
+        self.tgraph, self.tweights = self.tsplit.graph, self.tsplit.weights
         self.drafter = drafter if ecfg.mode != "ar" else None
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
@@ -102,9 +108,10 @@ class Engine:
 
     @dparams.setter
     def dparams(self, dparams: Any) -> None:
-        # new params of the same graph (an oracle's sequence) reuse the compiled step
-        self.dgraph, self.dweights = nnx.split(dparams)
+        # new params of the same graph (an oracle's sequence) reuse the compiled functions
+        self.dgraph, self.dweights = split_weights(dparams)
         self.step = make_step(self.tcfg, self.drafter, self.ecfg, self.tgraph, self.dgraph, self.kcfg)
+        self.extend = extend_function(self.drafter, self.dgraph) if self.drafter else None
 
     @classmethod
     def from_loaded(cls, target, draft, ecfg: EngineConfig) -> "Engine":
@@ -151,11 +158,10 @@ class Engine:
     def _prefill(self, tstate, dstate, ids: np.ndarray):
         """Commit checked ids to the target's and the drafter's states: (last logits, target state, drafter state)."""
         taps = self.drafter.taps if self.drafter else ()
-        chunks = prefill_chunks((self.tgraph, self.tweights), self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK, taps=taps,
-                                kcfg=self.kcfg)
+        chunks = prefill_chunks(self.tsplit, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK, taps=taps, kcfg=self.kcfg)
         for n, logits, tapped, tstate in chunks:
             if self.drafter:
-                dstate = _extend(self.drafter, self.dgraph, self.dweights, dstate, tapped, jnp.int32(n))
+                dstate = self.extend(self.dweights, dstate, tapped, jnp.int32(n))
         return logits, tstate, dstate
 
     def _start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int],
