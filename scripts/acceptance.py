@@ -24,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchlib import add_engine_flags, add_pair_flags, engine_settings, load_pair, sampling_settings  # noqa: E402
+from benchlib import (add_engine_flags, add_pair_flags, engine_settings, load_pair, pair_paths,  # noqa: E402
+                      sampling_settings)
 
 
 def configs(budgets: list[int]) -> list[tuple[str, int]]:
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     target, draft, tok = load_pair(args, kcfg)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     dev = jax.devices()[0]
-    report = {"target": str(target.path), "draft": str(draft.path), "device": getattr(dev, "device_kind", str(dev)),
+    report = {**dict(zip(("target", "draft"), pair_paths(args))), "device": getattr(dev, "device_kind", str(dev)),
               "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
               "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": base.topk,
               "chain_seed": {None: "auto", True: "on", False: "off"}[base.chain_seed], "kv_type": base.kv_type,
