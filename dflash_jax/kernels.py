@@ -94,17 +94,24 @@ def check_kv_type(kv_type: str, kcfg: KernelConfig) -> None:
                           "GPU")
 
 
+def _tile_rows(tile: Any) -> jax.Array:
+    """A cache tile as float32 rows: a block type's fields dequantized, a float type's rows as they are (K and V
+    of different types)."""
+    return kvq.dequantize(tile) if isinstance(tile, kvq.KVBlocks) else tile.astype(jnp.float32)
+
+
 def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax.Array | kvq.KVBlocks,
                    length: jax.Array, k_blk: jax.Array, v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array,
                    kcfg: KernelConfig, layer: int | None = None) -> jax.Array:
     """A block's attention over the committed prefix and its own keys (reference.tree_attention for the args);
     with `layer`, the caches are stacked and the kernel reads that layer in place. A quantized cache
     (kv_quant.KVBlocks) is dequantized: by the reference one layer at a time, by the kernel one tile at a time."""
+    blocked = isinstance(k_cache, kvq.KVBlocks) or isinstance(v_cache, kvq.KVBlocks)
     if kcfg.impl == "reference":
-        if isinstance(k_cache, kvq.KVBlocks):
+        if blocked:
             k_cache, v_cache, layer = kvq.readable(k_cache, layer), kvq.readable(v_cache, layer), None
         return ref.tree_attention(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer)
-    tiles = kvq.dequantize if isinstance(k_cache, kvq.KVBlocks) else None
+    tiles = _tile_rows if blocked else None
     return tree_attention_kernel(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer=layer,
                                  dequantize=tiles, interpret=kcfg.interpret, exact=kcfg.exact)
 

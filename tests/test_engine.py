@@ -233,8 +233,8 @@ def committed(state: DecodeState) -> dict:
     t, d = state.target, state.draft
     n, m = int(t.length), int(d.length)
     return dict(k=np.asarray(t.k[:, :n]), v=np.asarray(t.v[:, :n]), conv=np.asarray(t.conv), ssm=np.asarray(t.ssm),
-                length=n, dk=np.asarray(d.k[:, :m]), dv=np.asarray(d.v[:, :m]), dlength=m, root=int(state.root),
-                remaining=int(state.remaining), done=bool(state.done))
+                length=n, dk=[np.asarray(x[:, :m]) for x in d.k], dv=[np.asarray(x[:, :m]) for x in d.v], dlength=m,
+                root=int(state.root), remaining=int(state.remaining), done=bool(state.done))
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
@@ -247,7 +247,7 @@ def test_the_step_updates_its_donated_state_in_place(mode):
     drafter = DFlashDrafter(dcfg) if mode != "ar" else None
     max_ctx = 4096  # the caches dominate: each attention layer's own temporaries are a small part of the state
     state = DecodeState(target=init_state(cfg, max_ctx + MAX_TREE_NODES),
-                        draft=drafter.init_state(max_ctx, jnp.float32) if drafter else None,
+                        draft=drafter.init_state(max_ctx, ("f32", "f32"), None) if drafter else None,
                         root=jnp.int32(1), remaining=jnp.int32(10), done=jnp.bool_(False))
     tparams = jax.tree.map(jnp.asarray, params_from_tensors(cfg, random_gguf_tensors(cfg, seed=4)))
     dparams = jax.tree.map(jnp.asarray, draft_model.params_from_tensors(dcfg, random_draft_tensors(dcfg, seed=3)))
@@ -268,7 +268,7 @@ def test_prefill_and_the_drafter_context_update_their_donated_state_in_place():
     drafter, max_ctx = DFlashDrafter(dcfg), 4096
     tparams = jax.tree.map(jnp.asarray, params_from_tensors(cfg, random_gguf_tensors(cfg, seed=4)))
     dparams = jax.tree.map(jnp.asarray, draft_model.params_from_tensors(dcfg, random_draft_tensors(dcfg, seed=3)))
-    tstate, dstate = init_state(cfg, max_ctx), drafter.init_state(max_ctx, jnp.float32)
+    tstate, dstate = init_state(cfg, max_ctx), drafter.init_state(max_ctx, ("f32", "f32"), None)
     chunk = prefill_module.DEFAULT_CHUNK
     calls = [(prefill_module._prefill_chunk, (tparams, cfg, tstate, jnp.zeros(chunk, jnp.int32), jnp.int32(chunk),
                                               drafter.taps, False), tstate),

@@ -3,6 +3,8 @@ fixture pair in every mode, speculative decoding stays exact on the low-bit type
 the interpret-mode kernels read every type, the GPU kernel refuses the block types, and the step writes a quantized
 cache in place."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,13 +61,15 @@ def prompt(seed):
     return rng.integers(10, CFG.vocab_size, int(rng.choice([5, 40, 70])))
 
 
-@pytest.mark.parametrize("kv_type", ["q4_0", "rq3_0"])
-def test_speculative_decoding_stays_exact_on_low_bit_caches(params, kv_type):
+@pytest.mark.parametrize("kv_type, v_type", [("q4_0", None), ("rq3_0", None), ("q4_0", "bf16")])
+def test_speculative_decoding_stays_exact_on_low_bit_caches(params, kv_type, v_type):
     """A DDTree over an oracle drafter's proposals (deep paths, sibling branches) emits what AR emits with the same
-    cache type: the tree's keys are read as the cache will hold them. The type does change the output (from f32's),
-    so the quantization is in the path."""
-    ar, f32 = (Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type=t)) for t in (kv_type, "f32"))
-    tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=8, topk=4, max_ctx=MAX_CTX, kv_type=kv_type),
+    cache types (q4_0 keys beside bf16 values too): the tree's keys are read as the cache will hold them. The type
+    does change the output (from f32's), so the quantization is in the path."""
+    types = dict(kv_type=kv_type, kv_type_v=v_type)
+    ar = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX, **types))
+    f32 = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX))
+    tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=8, topk=4, max_ctx=MAX_CTX, **types),
                   OracleDrafter(8, CFG.vocab_size, 0.25, seed=1), None)
     differs, lengths = False, []
     for seed in range(4):
@@ -92,6 +96,43 @@ def test_state_bytes_are_the_types(pair, kv_type):
     values = 2 * len(cfg.full_attention_layers) * (256 + MAX_TREE_NODES) * cfg.num_kv_heads * cfg.head_dim
     draft_values = 2 * dcfg.num_layers * 256 * dcfg.num_kv_heads * dcfg.head_dim
     assert got == f32 - values * (4 - t.bits / 8) - draft_values * (4 - t.draft_dtype.itemsize)
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_keys_and_values_of_different_types_decode_what_ar_decodes(pair, mode):
+    """q8_0 keys beside bf16 values: the target's keys are blocks and its values an array, the drafter keeps both in
+    bf16 (a block type's draft dtype), the state counts each at its type, and greedy speculative decoding emits what
+    AR emits with the same caches."""
+    target, draft = pair
+    ecfg = EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type="bf16", kv_type_k="q8_0")
+    ids = np.load(TINY / "tokens.npy")
+    want = Engine.from_loaded(target, None, ecfg).generate(ids, N_GEN).tokens
+    engine = Engine.from_loaded(*pair, dataclasses.replace(ecfg, mode=mode, budget=8))
+    gen = engine.generate(ids, N_GEN)
+    assert gen.tokens == want  # the fixture's drafter is random: the oracle test below has the deep paths
+    t, d = gen.state.target, gen.state.draft
+    assert isinstance(t.k, kvq.KVBlocks) and t.k.kind == "q8_0" and t.v.dtype == jnp.bfloat16
+    assert [c.dtype for c in d.k + d.v] == [jnp.bfloat16] * 2
+    cfg, dcfg = target.config, draft.config
+    values = len(cfg.full_attention_layers) * (MAX_CTX + MAX_TREE_NODES) * cfg.num_kv_heads * cfg.head_dim
+    draft_values = 2 * dcfg.num_layers * MAX_CTX * dcfg.num_kv_heads * dcfg.head_dim
+    f32 = Engine.from_loaded(*pair, EngineConfig(mode=mode, max_ctx=MAX_CTX)).state_bytes()
+    assert engine.state_bytes() == f32 - values * (4 - 8.5 / 8) - values * 2 - draft_values * 2
+
+
+@pytest.mark.parametrize("k_type, v_type", [("q8_0", "bf16"), ("f32", "rq3_0")])
+def test_the_interpret_kernels_read_keys_and_values_of_different_types(params, k_type, v_type):
+    """A prompt's second chunk over a first chunk's keys and values of different types (one a block type, one a
+    float type): the Pallas kernels in interpret mode give the reference path's logits, to their bf16 products."""
+    ids = np.random.default_rng(10).integers(10, CFG.vocab_size, 80).tolist()
+    _, _, state = prefill(params, CFG, init_state(CFG, 128, k_type, v_type), ids[:64])
+
+    def logits(kcfg):
+        out, _, _ = prefill(params, CFG, jax.tree.map(jnp.copy, state), ids[64:], kcfg=kcfg)
+        return np.asarray(out)
+
+    ref, interp = logits(REFERENCE), logits(KernelConfig(impl="pallas", interpret=True))
+    assert 0 < np.linalg.norm(interp - ref) / np.linalg.norm(ref) < 5e-3
 
 
 def test_the_interpret_kernels_read_a_rotated_cache(params):

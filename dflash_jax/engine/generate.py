@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import kv_quant as kvq
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
@@ -86,7 +85,8 @@ class Engine:
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
         self.kcfg = kcfg
-        check_kv_type(ecfg.kv_type, kcfg)
+        for kv_type in ecfg.kv_types:
+            check_kv_type(kv_type, kcfg)
         self.step = make_step(tcfg, self.drafter, ecfg, kcfg)
 
     @classmethod
@@ -102,9 +102,9 @@ class Engine:
     def _empty_states(self):
         """A fresh generation's (target state, drafter state or None). The target's has slack for the largest tree
         in every mode: one cache shape per max_ctx, so switching mode or budget does not compile the prefill again."""
-        kv_type = self.ecfg.kv_type
-        draft = self.drafter.init_state(self.ecfg.max_ctx, kvq.kv_type(kv_type).draft_dtype) if self.drafter else None
-        return init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_type), draft
+        kv_types, max_ctx = self.ecfg.kv_types, self.ecfg.max_ctx
+        draft = self.drafter.init_state(max_ctx, kv_types, self.ecfg.draft_ctx) if self.drafter else None
+        return init_state(self.tcfg, max_ctx + MAX_TREE_NODES, *kv_types), draft
 
     def state_bytes(self) -> int:
         """Bytes of the caches a generation allocates (`_empty_states`), from their shapes alone: nothing is
