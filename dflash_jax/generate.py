@@ -31,7 +31,6 @@ from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
 from dflash_jax.engine.sampling import SamplingParams, seed_or_drawn
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
-from dflash_jax.kernels import check_kv_type
 from dflash_jax.load import (TargetFile, check_path, draft_config, load_draft, load_target, open_target,
                              target_tokenizer)
 from dflash_jax.profiling import CompileLog, StepTrace
@@ -190,14 +189,12 @@ def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_ro
     """The engine and kernel configuration of the decoding flags (`f.mode`, `budget`, `topk`, `chain_seed`,
     `max_ctx`, `kv_type`, `kv_type_k`, `kv_type_v`, `draft_ctx`, `draft_rule`, `mgpu`, `numerics`), None flags
     taking the device class's defaults (dflash_jax/defaults.py): the one resolution every command and benchmark goes
-    through. A KV type the kernels cannot read is refused here, before any model loads."""
+    through."""
     ecfg = resolve_engine(f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed,
                           max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_type=f.kv_type,
                           kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v, draft_ctx=f.draft_ctx,
                           draft_rule=f.draft_rule)
     kcfg = resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics)
-    for kv_type in ecfg.kv_types:
-        check_kv_type(kv_type, kcfg)
     return ecfg, kcfg
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import KernelConfig
-from dflash_jax.quant import QTensor, Unsupported, dequantize
+from dflash_jax.quant import QTensor, dequantize
 from dflash_jax.quant import linear as reference_linear
 from pallas_kernels import gdn
 from pallas_kernels import qmatmul as qm
@@ -86,34 +86,21 @@ def linear(x: jax.Array, w: Any, kcfg: KernelConfig) -> jax.Array:
     return out.reshape(*lead, w.shape[0])
 
 
-def check_kv_type(kv_type: str, kcfg: KernelConfig) -> None:
-    """Refuse a KV type the configured attention cannot read: the Pallas GPU kernel reads float caches only."""
-    if kvq.kv_type(kv_type).blocked and kcfg.impl == "pallas" and not kcfg.interpret:
-        raise Unsupported(f"the Pallas GPU tree-attention kernel does not read quantized KV caches ({kv_type}) yet; "
-                          f"use a float KV type ({', '.join(n for n, t in kvq.TYPES.items() if not t.blocked)}) on a "
-                          "GPU")
-
-
-def _tile_rows(tile: Any) -> jax.Array:
-    """A cache tile as float32 rows: a block type's fields dequantized, a float type's rows as they are (K and V
-    of different types)."""
-    return kvq.dequantize(tile) if isinstance(tile, kvq.KVBlocks) else tile.astype(jnp.float32)
-
-
 def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax.Array | kvq.KVBlocks,
-                   length: jax.Array, k_blk: jax.Array, v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array,
-                   kcfg: KernelConfig, layer: int | None = None) -> jax.Array:
+                   length: jax.Array, k_blk: jax.Array | kvq.KVBlocks, v_blk: jax.Array | kvq.KVBlocks,
+                   blk_mask: jax.Array, prefix_lo: jax.Array, kcfg: KernelConfig, layer: int | None = None
+                   ) -> jax.Array:
     """A block's attention over the committed prefix and its own keys (reference.tree_attention for the args);
-    with `layer`, the caches are stacked and the kernel reads that layer in place. A quantized cache
-    (kv_quant.KVBlocks) is dequantized: by the reference one layer at a time, by the kernel one tile at a time."""
-    blocked = isinstance(k_cache, kvq.KVBlocks) or isinstance(v_cache, kvq.KVBlocks)
+    with `layer`, the caches are stacked and the kernel reads that layer in place. Keys and values may each be in a
+    block type (kv_quant.KVBlocks), the block's rows in their cache's type: the reference dequantizes them (the cache
+    one layer at a time), the kernel decodes each tile as it loads it, the block's rows as the cache's."""
     if kcfg.impl == "reference":
-        if blocked:
+        if isinstance(k_cache, kvq.KVBlocks) or isinstance(v_cache, kvq.KVBlocks):
             k_cache, v_cache, layer = kvq.readable(k_cache, layer), kvq.readable(v_cache, layer), None
+        k_blk, v_blk = kvq.readable(k_blk), kvq.readable(v_blk)
         return ref.tree_attention(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer)
-    tiles = _tile_rows if blocked else None
     return tree_attention_kernel(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer=layer,
-                                 dequantize=tiles, interpret=kcfg.interpret, exact=kcfg.exact)
+                                 interpret=kcfg.interpret, exact=kcfg.exact)
 
 
 def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array, kcfg: KernelConfig) -> jax.Array:

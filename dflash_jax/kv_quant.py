@@ -3,8 +3,10 @@ a Walsh-Hadamard-rotated row (docs/kv_cache.md has the layouts, bits per value a
 
 A float type's cache is an array of its dtype. A block type's cache is a `KVBlocks`: one array per field of the
 type's block struct (storage order as in ggml-common.h), each [..., blocks per row, count]: the layout of `QTensor`
-(dflash_jax/quant.py), whose Q8_0 and Q4_0 field lists and dequantizers these types share. Rows [..., head_dim] are
-quantized when written (`stored`) and dequantized when read (`readable`), inside jit.
+(dflash_jax/quant.py), whose Q8_0 and Q4_0 field lists these types share. Rows [..., head_dim] are quantized when
+written (`stored`) and dequantized when read (`readable`), inside jit; the Pallas tree-attention kernel decodes its
+tiles with the same `block_values`, and for a rotated type rotates its queries (`rotate_query`) and its output back
+(`unrotate`) instead of each key and value row.
 
 Bit-exactness with llama.cpp's quantize_row_q8_0_ref / quantize_row_q4_0_ref (as compiled without FMA contraction,
 which is what gguf-py's numpy quantizers compute): XLA contracts a multiply feeding an add into one FMA, and an
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.errors import InputError
-from dflash_jax.quant import FORMATS, Unsupported, dequantize_blocks
+from dflash_jax.quant import FORMATS, Unsupported
 
 BLOCK = 32  # values per block of every block type
 
@@ -230,25 +232,47 @@ def _level(c: jax.Array) -> jax.Array:
     return jnp.where(up, mag, -mag)
 
 
-def _rq3_0_values(d: jax.Array, qs: jax.Array, qh: jax.Array) -> jax.Array:
-    low = jnp.concatenate([(qs >> (2 * s)) & 3 for s in range(4)], axis=-1)  # [..., 32], element 8s + b
-    high = jnp.concatenate([(qh >> s) & 1 for s in range(8)], axis=-1)  # element 4s + b
-    return d.astype(jnp.float32) * _level(low | (high << 2))
+def _codes(x: jax.Array, bits: int) -> jax.Array:
+    """[..., c] bytes -> [..., 8 / bits * c] codes of `bits` bits in element order: element s * c + b is bits
+    bits * s .. bits * (s + 1) - 1 of byte b. Shifts by a vector of offsets, a mask and a reshape: ops that the Pallas
+    Triton lowering has (no concatenate or gather), so the tree-attention kernel decodes its tiles with this too."""
+    parts = 8 // bits
+    shift = jax.lax.broadcasted_iota(jnp.int32, (parts, 1), 0) * bits
+    codes = (x.astype(jnp.int32)[..., None, :] >> shift) & ((1 << bits) - 1)  # [..., parts, c]
+    return codes.reshape(*x.shape[:-1], parts * x.shape[-1])
+
+
+def block_values(kind: str, data: dict[str, jax.Array]) -> jax.Array:
+    """The float32 values [..., nb, 32] of a block type's fields, each [..., nb, count], in the rotated domain for a
+    rotated type (every value d * code, exact in float32). Also the tree-attention kernel's decode of a tile."""
+    d = data["d"].astype(jnp.float32)
+    if kind == "q8_0":
+        return d * data["qs"].astype(jnp.float32)
+    if kind == "q4_0":
+        return d * (_codes(data["qs"], 4) - 8).astype(jnp.float32)
+    return d * _level(_codes(data["qs"], 2) | (_codes(data["qh"], 1) << 2))
+
+
+def rotate_query(q: jax.Array) -> jax.Array:
+    """q' [..., n] with q' . y = q . x for every row x that rotated-domain values y dequantize to (x = s * H y *
+    2^-(log2 n - e), H symmetric): a product with a rotated type's keys then needs no inverse rotation of the keys."""
+    n = q.shape[-1]
+    _, inverse = _rotation_shifts(n)
+    return _fwht(q * _signs(n)) * inverse
+
+
+def unrotate(y: jax.Array) -> jax.Array:
+    """Rows [..., n] back from the rotated domain: s * (H y) * 2^-(log2 n - e)."""
+    n = y.shape[-1]
+    _, inverse = _rotation_shifts(n)
+    return _fwht(y) * inverse * _signs(n)
 
 
 def dequantize(blocks: KVBlocks) -> jax.Array:
     """The float32 rows [..., n] that blocks hold (rotated back for a rotated type)."""
-    t = TYPES[blocks.kind]
-    if blocks.kind == "rq3_0":
-        values = _rq3_0_values(blocks.data["d"], blocks.data["qs"], blocks.data["qh"])
-    else:
-        values = dequantize_blocks(blocks.kind.upper(), blocks.data)
-    n = blocks.shape[-1]
-    y = values.reshape(*values.shape[:-2], n)
-    if t.rotated:
-        _, inverse = _rotation_shifts(n)
-        y = _fwht(y) * inverse * _signs(n)
-    return y
+    values = block_values(blocks.kind, blocks.data)
+    y = values.reshape(*values.shape[:-2], blocks.shape[-1])
+    return unrotate(y) if TYPES[blocks.kind].rotated else y
 
 
 # ---------------------------------------------------------------------------------------------------------------

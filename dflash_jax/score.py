@@ -20,7 +20,6 @@ from dflash_jax.config import KV_TYPES, TargetConfig
 from dflash_jax.defaults import free_memory, host_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
 from dflash_jax.errors import InputError, brief, run_main
-from dflash_jax.kernels import check_kv_type
 from dflash_jax.load import Target, load_target, open_target, target_tokenizer
 from dflash_jax.models.target import init_state
 from dflash_jax.tokenizer import require_utf8
@@ -158,8 +157,6 @@ def run(argv: list[str]) -> int:
     kv_types = resolve_engine(kv_type=f.kv_type, kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v).kv_types
     # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
     kcfg = resolve_kernels("ddtree")
-    for kv_type in kv_types:
-        check_kv_type(kv_type, kcfg)
     t0 = time.perf_counter()
     target = open_target(f.target or assets.DEFAULT_TARGET)
     if ids is None:

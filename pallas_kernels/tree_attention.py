@@ -14,22 +14,31 @@ epilogue merges them by log-sum-exp. Keys and values are read as stored (float32
 with float32 accumulation. The softmax weights p = exp(s - running max) go into the value product as two bf16 terms
 (`exact`, the default: hi + lo, about 16 significant bits): one bf16 term rounds p relative to a running max that
 depends on where the keys fall (in the prefix or in the block, and the split boundaries move with the committed
-length), so a position's output would depend on how many tokens were verified with it. A quantized cache (a pytree of
-block fields, dflash_jax/kv_quant.py) is read tile by tile and turned into rows by the `dequantize` it comes with;
-that runs in interpret mode only, so far (the GPU wrapper refuses it). Pallas Triton backend; `interpret=True` runs
-it on CPU for the tests.
+length), so a position's output would depend on how many tokens were verified with it.
+
+Keys and values may each be in a block type of dflash_jax/kv_quant.py (`KVBlocks`: one array per block field). The
+kernel loads each field's tile [block_k, head_dim / 32, count] and decodes it in registers with
+`kv_quant.block_values`, written with shifts, masks, selects and reshapes only (what the Triton lowering has; no
+concatenate or gather), into rows in element order, rounded to bf16 for the products: one code path on the GPU and
+in interpret mode. A rotated type (rq3_0) stays rotated: the wrapper rotates q instead (`rotate_query`: q . x = q' . y
+for the rows x that rotated values y dequantize to) and, for values, rotates the merged output back (`unrotate`: the
+output is linear in the values). The block's own rows come in the cache's type too and the block program decodes
+them as the prefix programs decode the cache, so a token reads the same keys whether its ancestors are committed
+(AR) or verified with it (issue 38's policy). Pallas Triton backend; `interpret=True` runs it on CPU for the tests.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dflash_jax import kv_quant as kvq
+from dflash_jax.quant import Unsupported
 from pallas_kernels.tiles import as_float32, dot_tile
 
 NEG = -1e30  # finite "minus infinity": an all-masked row keeps max NEG, sum 0, and no NaN
@@ -43,7 +52,8 @@ LONG_CACHE = 16384
 NUM_STAGES = 3
 # Each pipeline stage holds a key tile and a value tile in shared memory. Three stages fit the SM's 227 KiB only
 # while a stage takes at most 64 KiB: the 27B's bfloat16 caches (64 keys x 256 x 2 bytes, twice) and the drafter's
-# float32 ones; the 27B's float32 caches asked 283136 bytes at 3 stages and failed to launch on an H200
+# float32 ones; the 27B's float32 caches asked 283136 bytes at 3 stages and failed to launch on an H200. The block
+# types' tiles are smaller (q8_0: 64 keys x 272 bytes, twice): at 3 stages Triton asks 90112-167936 bytes for them
 # (scripts/results/attn_smem_sm90.txt has each case as Triton compiles it).
 STAGE_BYTES = 64 * 1024
 
@@ -54,10 +64,10 @@ def default_block_rows(slots: int) -> int:
     return 64 if slots >= LONG_CACHE else 32
 
 
-def default_stages(block_k: int, head_dim: int, itemsize: int) -> int:
-    """Pipeline stages for key and value tiles of block_k x head_dim elements of `itemsize` bytes: NUM_STAGES while
-    one stage's pair fits STAGE_BYTES, else 2."""
-    return NUM_STAGES if 2 * block_k * head_dim * itemsize <= STAGE_BYTES else 2
+def default_stages(block_k: int, pair_bytes: int) -> int:
+    """Pipeline stages for key and value tiles of block_k rows, a key row and a value row taking `pair_bytes` as
+    stored (`row_bytes`): NUM_STAGES while one stage's pair of tiles fits STAGE_BYTES, else 2."""
+    return NUM_STAGES if block_k * pair_bytes <= STAGE_BYTES else 2
 
 
 def default_splits(slots: int) -> int:
@@ -66,8 +76,24 @@ def default_splits(slots: int) -> int:
     return max(1, min(32, -(-slots // 1024)))
 
 
-def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, dequantize: Callable | None, len_ref,
-            layer_ref, q_ref, lo_ref, mask_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, l_ref):
+def _tile(ref: Any, kind: str | None, index: tuple) -> jax.Array:
+    """Rows [rows, d] of the tile at `index` (the rows of one KV head): a float type's as stored, a block type's
+    fields (each [rows, nb, count], `d` [rows, nb]) decoded by kv_quant.block_values (exact in float32, in the rotated
+    domain for a rotated type) and rounded to bf16 as the products take them, before the reshape (which then moves
+    half the bytes; docs/history.md 2026-11-27 has what that did to the compiled kernel's spills)."""
+    if kind is None:
+        return ref[index]
+    fields = {name: r[index] for name, r in ref.items()}
+    fields["d"] = fields["d"][..., None]
+    values = kvq.block_values(kind, fields).astype(jnp.bfloat16)  # [rows, nb, 32]
+    return values.reshape(values.shape[0], -1)
+
+
+def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, k_kind: str | None, v_kind: str | None,
+            len_ref, layer_ref, q_ref, lo_ref, mask_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, l_ref):
+    # len_ref, layer_ref [1] int32; q_ref [Hkv, R, d] bf16; lo_ref [R] int32; mask_ref [R, Np] int32; kc_ref, vc_ref
+    # [layers, S, Hkv, d] or fields [layers, S, Hkv, nb, count]; kb_ref, vb_ref [Hkv, Np, d] or fields [Hkv, Np, nb,
+    # count]; o_ref [Hkv, splits + 1, R, d], m_ref and l_ref [Hkv, splits + 1, R] float32
     r_tile, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(r_tile * br, br)
     q = q_ref[h, rows, :]  # [br, d] bf16, scaled
@@ -101,7 +127,7 @@ def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, de
     @pl.when(split < splits)
     def _prefix():
         length, layer = len_ref[0], layer_ref[0]
-        slots = kc_ref.shape[1]
+        slots = jax.tree.leaves(kc_ref)[0].shape[1]
         chunk = pl.cdiv(pl.cdiv(length, splits), block_k) * block_k
         start = split * chunk
         end = jnp.minimum(start + chunk, length)
@@ -114,12 +140,8 @@ def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, de
             s0 = jnp.minimum(want, slots - block_k)
             slot = s0 + jnp.arange(block_k)
             ok = (slot >= want) & (slot < end)
-            if dequantize is None:
-                k = kc_ref[layer, pl.ds(s0, block_k), h, :]
-                v = vc_ref[layer, pl.ds(s0, block_k), h, :]
-            else:  # [block_k, d] float32 from the tile of each block field
-                tile = lambda c: jax.tree.map(lambda r: r[layer, pl.ds(s0, block_k), h], c)  # noqa: E731
-                k, v = dequantize(tile(kc_ref)), dequantize(tile(vc_ref))
+            index = (layer, pl.ds(s0, block_k), h)
+            k, v = _tile(kc_ref, k_kind, index), _tile(vc_ref, v_kind, index)
             visible = ok[None, :] & (slot[None, :] >= lo[:, None])
             return update(carry, k, v, visible)
 
@@ -127,26 +149,64 @@ def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, de
 
     @pl.when(split == splits)
     def _block():
-        write(update(init, kb_ref[h], vb_ref[h], mask_ref[rows, :] != 0))
+        # the block's own rows in the cache's type, decoded as the prefix's are: a token's output does not depend on
+        # whether its ancestors are committed (AR) or verified with it
+        write(update(init, _tile(kb_ref, k_kind, (h,)), _tile(vb_ref, v_kind, (h,)), mask_ref[rows, :] != 0))
+
+
+def _kind(x: Any) -> str | None:
+    """The block type of rows (None for a float array)."""
+    return x.kind if isinstance(x, kvq.KVBlocks) else None
+
+
+def row_bytes(x: Any) -> int:
+    """Bytes of one stored row: head_dim x itemsize for a float type, head_dim / 32 blocks for a block type."""
+    if isinstance(x, kvq.KVBlocks):
+        return x.shape[-1] // kvq.BLOCK * kvq.TYPES[x.kind].block_bytes
+    return x.shape[-1] * jnp.dtype(x.dtype).itemsize
+
+
+def _loaded(x: Any) -> Any:
+    """What the kernel loads of rows: a float array as it is; a block type's fields, `d` without its count of 1
+    ([..., nb]), so that a tile of every field has the rows and blocks as its leading dimensions."""
+    if not isinstance(x, kvq.KVBlocks):
+        return x
+    return {name: f[..., 0] if name == "d" else f for name, f in x.data.items()}
+
+
+def _check(q: jax.Array, k_cache: Any, v_cache: Any, k_blk: Any, v_blk: Any, block_rows: int, block_k: int) -> None:
+    """Refuse shapes and types the kernel cannot take, naming them."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if hq % hkv or k_blk.shape != (n, hkv, d) or v_cache.shape != k_cache.shape or v_blk.shape != k_blk.shape:
+        raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, "
+                         f"block {k_blk.shape} {v_blk.shape}")
+    if d % 16 or block_rows % 16 or block_k % 16:
+        raise ValueError(f"head_dim {d}, block_rows {block_rows} and block_k {block_k} must be multiples of 16")
+    for name, cache, blk in (("keys", k_cache, k_blk), ("values", v_cache, v_blk)):
+        if _kind(blk) != _kind(cache):
+            raise ValueError(f"the block's {name} ({_kind(blk) or 'float'}) must be in the cache's type "
+                             f"({_kind(cache) or 'float'}): the block program decodes them as the prefix's")
+    nb = d // kvq.BLOCK
+    if (_kind(k_cache) or _kind(v_cache)) and nb & (nb - 1):
+        raise Unsupported(f"the tree-attention kernel reads a block-type KV cache for a head_dim / 32 that is a power "
+                          f"of two (the Triton tiles of its fields); this model's head_dim is {d}")
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "block_rows", "block_k", "num_warps", "num_stages",
-                                             "interpret", "exact", "dequantize"))
-def tree_attention(q: jax.Array, k_cache: Any, v_cache: Any, length: jax.Array, k_blk: jax.Array,
-                   v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
+                                             "interpret", "exact"))
+def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax.Array | kvq.KVBlocks,
+                   length: jax.Array, k_blk: jax.Array | kvq.KVBlocks, v_blk: jax.Array | kvq.KVBlocks,
+                   blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
                    splits: int | None = None, block_rows: int | None = None, block_k: int = 64, num_warps: int = 4,
-                   num_stages: int | None = None, interpret: bool = False, exact: bool = True,
-                   dequantize: Callable | None = None) -> jax.Array:
+                   num_stages: int | None = None, interpret: bool = False, exact: bool = True) -> jax.Array:
     """Attention of q [N, Hq, d] over k/v_cache [S, Hkv, d] slots prefix_lo[i]..length-1 and the block's own
     k/v_blk [N, Hkv, d] where blk_mask [N, N]; float32 [N, Hq, d]. Every query must see at least one key.
 
     With `layer`, k/v_cache are stacked [layers, S, Hkv, d] and the kernel reads that layer: a slice of a stack
     passed to the kernel would be copied out first. The layer is an operand, not a constant, so that one compiled
-    kernel serves every layer. A quantized cache is a pytree of block fields, each [(layers,) S, Hkv, ...] with a
-    `.shape` of its rows, and `dequantize` maps a tile of it (each field [block_k, ...]) to rows [block_k, d]
-    (interpret mode only: the GPU kernel reads float caches)."""
-    if dequantize is not None and not interpret:
-        raise NotImplementedError("tree_attention: the Pallas GPU kernel does not read quantized KV caches yet")
+    kernel serves every layer. Keys and values may each be in a float type (an array) or a block type
+    (kv_quant.KVBlocks, fields [(layers,) S, Hkv, d / 32, count]); the block's rows must be in their cache's type."""
     if layer is None:
         k_cache, v_cache = (jax.tree.map(lambda x: x[None], c) for c in (k_cache, v_cache))
         layer = 0
@@ -155,13 +215,10 @@ def tree_attention(q: jax.Array, k_cache: Any, v_cache: Any, length: jax.Array, 
     n, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     block_rows = block_rows or default_block_rows(s)
+    _check(q, k_cache, v_cache, k_blk, v_blk, block_rows, block_k)
+    k_kind, v_kind = _kind(k_cache), _kind(v_cache)
     if num_stages is None:
-        num_stages = NUM_STAGES if dequantize else default_stages(block_k, d, jnp.dtype(k_cache.dtype).itemsize)
-    if hq % hkv or k_blk.shape != (n, hkv, d) or v_cache.shape != k_cache.shape or v_blk.shape != k_blk.shape:
-        raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, "
-                         f"block {k_blk.shape} {v_blk.shape}")
-    if d % 16 or block_rows % 16 or block_k % 16:
-        raise ValueError(f"head_dim {d}, block_rows {block_rows} and block_k {block_k} must be multiples of 16")
+        num_stages = default_stages(block_k, row_bytes(k_cache) + row_bytes(v_cache))
     group = hq // hkv
     splits = splits or default_splits(s)
     if s < block_k:  # a cache smaller than one key block (tests, tiny contexts): pad it, it is small
@@ -172,15 +229,20 @@ def tree_attention(q: jax.Array, k_cache: Any, v_cache: Any, length: jax.Array, 
     rows = n * group
     r_pad = pl.cdiv(rows, block_rows) * block_rows
     n_pad = dot_tile(n)
+    q = q.astype(jnp.float32)
+    if k_kind and kvq.TYPES[k_kind].rotated:  # the keys stay rotated: q . x = q' . y
+        q = kvq.rotate_query(q)
     # row = token * group + head within the group, per KV head
-    qf = (q.astype(jnp.float32) * d ** -0.5).reshape(n, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows, d)
+    qf = (q * d ** -0.5).reshape(n, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows, d)
     qf = jnp.pad(qf, ((0, 0), (0, r_pad - rows), (0, 0))).astype(jnp.bfloat16)
     lo = jnp.pad(jnp.repeat(prefix_lo.astype(jnp.int32), group), (0, r_pad - rows))
     mask = jnp.pad(jnp.repeat(blk_mask, group, axis=0), ((0, r_pad - rows), (0, n_pad - n))).astype(jnp.int32)
-    kb, vb = (jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, n_pad - n), (0, 0))) for x in (k_blk, v_blk))
+    # [Hkv, Np, ...]: the block's rows by KV head
+    per_head = lambda x: jnp.pad(x.swapaxes(0, 1), ((0, 0), (0, n_pad - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+    kb, vb = (jax.tree.map(per_head, x) for x in (k_blk, v_blk))
     parts = splits + 1
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, splits, block_rows, block_k, exact, interpret, dequantize),
+        functools.partial(_kernel, splits, block_rows, block_k, exact, interpret, k_kind, v_kind),
         out_shape=(jax.ShapeDtypeStruct((hkv, parts, r_pad, d), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32),
                    jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32)),
@@ -188,10 +250,11 @@ def tree_attention(q: jax.Array, k_cache: Any, v_cache: Any, length: jax.Array, 
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(jnp.reshape(length, (1,)).astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qf, lo, mask, k_cache,
-      v_cache, kb, vb)
+    )(jnp.reshape(length, (1,)).astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qf, lo, mask,
+      *map(_loaded, (k_cache, v_cache, kb, vb)))
     top = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - top)  # [hkv, parts, r_pad]; 0 for parts that saw no key
     total = jnp.sum(w * l, axis=1)
     out = jnp.sum(w[..., None] * o, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
-    return out[:, :rows].reshape(hkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, hq, d)
+    out = out[:, :rows].reshape(hkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, hq, d)
+    return kvq.unrotate(out) if v_kind and kvq.TYPES[v_kind].rotated else out

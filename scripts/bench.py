@@ -2,9 +2,10 @@
 
     python scripts/bench.py --out scripts/results/bench_27b_h100.json [--profile DIR]
 
-In one run: the device-to-device copy rate; the synthetic 27B target (exact shapes, stock Q4_K_M types) and 1.73B
-bf16 drafter made on the device (dflash_jax/testing/synthetic.py); AR tokens/s and time to first token against the
-weight-streaming roofline; per-phase step times (draft, tree build, verify, accept + commit) for each DDTree budget
+In one run: the device-to-device copy rate and the read-stream rate (benchlib.read_rate); the synthetic 27B target
+(exact shapes, stock Q4_K_M types) and 1.73B bf16 drafter made on the device (dflash_jax/testing/synthetic.py); AR
+tokens/s and time to first token against the weight-streaming roofline (the step's weights read once at the
+read-stream rate); per-phase step times (draft, tree build, verify, accept + commit) for each DDTree budget
 and the chain, each phase jitted alone (calls queued back to back, median of batches), beside the fused step's time
 in the real decode loop; end-to-end tokens/s in forced-acceptance mode (the real drafter runs for its cost, its
 proposals replaced by the target's own greedy continuation with errors at a rate calibrated to each acceptance
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference,  # noqa: E402
+from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference, read_rate,  # noqa: E402
                       fit_verify_cost)
 
 from exactness import margin  # noqa: E402
@@ -313,6 +314,8 @@ def merge(parts: list[str]) -> dict:
         if not out:
             out = {k: run[k] for k in ("device", "backend", "jax", "python", "date", "model", "copy_rate", "models",
                                        "ar")}
+            if "read_rate" in run:
+                out["read_rate"] = run["read_rate"]
             out["sources"], out["compile"] = [], {}
         out["sources"].append(dict(file=Path(path).name, date=run["date"], sections=names.split("+"),
                                    ar_tokens_per_s=run.get("ar", {}).get("tokens_per_s"), copy_rate=run["copy_rate"]))
@@ -384,8 +387,9 @@ def run(args: argparse.Namespace) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", flush=True)
 
     compiles = CompileLog().__enter__()
-    res["copy_rate"] = copy_rate(1.0 if jax.default_backend() == "gpu" else 0.125)
-    log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s")
+    gpu = jax.default_backend() == "gpu"
+    res["copy_rate"], res["read_rate"] = copy_rate(1.0 if gpu else 0.125), read_rate(4.0 if gpu else 0.125)
+    log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s (read + write), read stream {res['read_rate'] / 1e9:.0f} GB/s")
     base, kcfg = engine_settings(args)  # what `generate` runs with the same flags (a DDTree; AR rows below)
     res["engine"], res["kernels"] = dataclasses.asdict(base), dataclasses.asdict(kcfg)
     log(f"{kcfg.describe()}; {kv_cache_words(base)}, DDTree budget {base.budget}")
@@ -396,7 +400,7 @@ def run(args: argparse.Namespace) -> None:
     save()
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, target.config.vocab_size, args.prompt_len).tolist()
-    floor_ms = 1e3 * info["step_weight_bytes"] / res["copy_rate"]
+    floor_ms = 1e3 * info["step_weight_bytes"] / res["read_rate"]  # the weights read once at the read-stream rate
 
     # What the compiled steps need beside their arguments (XLA's buffer assignment): the engine's working memory
     if "compiled_memory" in sections:
@@ -454,7 +458,7 @@ def run(args: argparse.Namespace) -> None:
             if over():
                 break
             ctx = length + 512  # room for the timed commits past the faked length
-            row = dict(context=length)
+            row = dict(context=length, budget=base.budget)
             for mode in ("ar", "ddtree"):
                 engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
@@ -547,7 +551,8 @@ def summary(res: dict) -> str:
                      f"temporaries {r['temp_bytes'] / 2**20:.0f} MiB")
     if not {"ar", "long"} & set(res):
         return "\n".join(lines)
-    lines.append(f"{res['device']} jax {res['jax']} {res['date']}; copy {res['copy_rate'] / 1e9:.0f} GB/s; model "
+    read = f"; read {res['read_rate'] / 1e9:.0f} GB/s" if "read_rate" in res else ""
+    lines.append(f"{res['device']} jax {res['jax']} {res['date']}; copy {res['copy_rate'] / 1e9:.0f} GB/s{read}; model "
                  f"{res['model']} ({res['models']['step_weight_bytes'] / 1e9:.2f} GB streamed per step)")
     if "ar" in res:
         ar = res["ar"]
@@ -573,7 +578,8 @@ def summary(res: dict) -> str:
         lines.append(f"forced DDTree-{r['budget']}: AL {r['accept_length']:.2f} (goal {r['al_goal']}) "
                      f"{r['tokens_per_s']:.1f} tok/s = {r['speedup']:.2f} x AR")
     for r in res.get("long", []):
-        lines.append(f"context {r['context']}: AR {r['ar_step_ms']:.2f} ms, DDTree-22 {r['ddtree_step_ms']:.2f} ms "
+        lines.append(f"context {r['context']}: AR {r['ar_step_ms']:.2f} ms, DDTree-{r.get('budget', 22)} "
+                     f"{r['ddtree_step_ms']:.2f} ms "
                      f"({r['ddtree_over_ar']:.2f} x), peak {r['memory'].get('peak_bytes_in_use', 0) / 2**30:.1f} GiB")
     if "memory_after_max_ctx_runs" in res:
         peak = res["memory_after_max_ctx_runs"].get("peak_bytes_in_use", 0)

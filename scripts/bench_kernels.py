@@ -1,4 +1,5 @@
-"""Kernel benchmarks on the GPU, as ratios to the copy rate measured in the same run (issue 5, DESIGN.md).
+"""Kernel benchmarks on the GPU, as ratios to the read-stream rate measured in the same run (benchlib.read_rate: a
+reduction over a 4 GiB array, the floor of a kernel that only reads; the copy rate is recorded beside it).
 
     python scripts/bench_kernels.py --out scripts/results/kernels_<device>.json [--sweep] [--kernels ...]
 
@@ -20,13 +21,15 @@ also counts GGUF bytes (its layouts read 2.8 % and 1 % more). `--variants` optio
 both Mosaic kernels here.
 
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
-heads x 256, bf16 cache) in one call; floor = the bytes it must read (K and V of the context, the block's q/k/v)
-over the copy rate. Also the jnp reference under XLA. `--sweep` also times tiles (rows, keys, warps, stages) at the
-default split and splits at the default tile.
+heads x 256) in one call, for each cache type of `--kv_types` (default bf16; the block types are read as stored, the
+block's own rows in the cache's type, as the model passes them); floor = the bytes it must read (K and V of the
+context as stored, the block's q/k/v) over the read-stream rate. Also the jnp reference under XLA (over the dequantized
+cache). `--sweep` also times tiles (rows, keys, warps, stages) at the default split and splits at the default
+tile.
 
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
 chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B
-Q4_K_M matrices a decode step reads (every matrix but the embedding table) over the copy rate. Also the jnp
+Q4_K_M matrices a decode step reads (every matrix but the embedding table) over the read-stream rate. Also the jnp
 reference under XLA.
 
 tree_attention and gdn results also carry the GPU kernel time of the call (kernel_us) and its split by kernel
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import sys
@@ -52,10 +56,11 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import (copy_rate, environment, gdn_layer_inputs, median_seconds,  # noqa: E402
+from benchlib import (copy_rate, environment, read_rate, gdn_layer_inputs, median_seconds,  # noqa: E402
                       kernel_seconds_by_name, parse_options)
 
-from dflash_jax.config import NUMERICS, load_target_config  # noqa: E402
+from dflash_jax import kv_quant as kvq  # noqa: E402
+from dflash_jax.config import KV_TYPES, NUMERICS, load_target_config  # noqa: E402
 from dflash_jax.defaults import resolve_kernels  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models.target import Block  # noqa: E402
@@ -68,7 +73,7 @@ from pallas_kernels import qmatmul as qm  # noqa: E402
 from pallas_kernels import qmatmul_mgpu as mg  # noqa: E402
 from pallas_kernels import qmatmul_mgpu_q6k as q6  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
-from pallas_kernels.tree_attention import tree_attention  # noqa: E402
+from pallas_kernels.tree_attention import row_bytes, tree_attention  # noqa: E402
 from pallas_kernels.tree_conv import tree_conv  # noqa: E402
 
 CONFIG_27B = Path(__file__).resolve().parents[1] / "configs" / "qwen3.5-27b.json"
@@ -99,13 +104,13 @@ def _copies(fmt: str, n: int, k: int, min_bytes: int = MIN_BYTES):
     return [random_matrix(jax.random.key(i), fmt, (n, k), std) for i in range(reps)], one.nbytes
 
 
-def _times(run, x, weights, gguf_bytes: int, copy: float) -> dict:
-    """Wall and (on a GPU) kernel time per product of `run(x, weights)`, with GGUF bytes/s and its ratio to `copy`."""
+def _times(run, x, weights, gguf_bytes: int, stream: float) -> dict:
+    """Wall and (on a GPU) kernel time per product of `run(x, weights)`, with GGUF bytes/s and its ratio to `stream`."""
     t = median_seconds(run, x, weights) / len(weights)
-    out = dict(us=t * 1e6, gguf_bytes=gguf_bytes, rate=gguf_bytes / t, ratio=gguf_bytes / t / copy)
+    out = dict(us=t * 1e6, gguf_bytes=gguf_bytes, rate=gguf_bytes / t, ratio=gguf_bytes / t / stream)
     kernel = _kernel_times(run, x, weights, per=len(weights))
     if kernel:
-        out.update(kernel, kernel_ratio=gguf_bytes / (kernel["kernel_us"] * 1e-6) / copy)
+        out.update(kernel, kernel_ratio=gguf_bytes / (kernel["kernel_us"] * 1e-6) / stream)
     return out
 
 
@@ -138,10 +143,10 @@ def _line(name: str, fmt: str, m: int, what: str, r: dict) -> str:
     longest = f" (longest {max(r['kernels_us'].values()):.1f})" if "kernels_us" in r else ""
     kernel = f"  kernel {r['kernel_us']:7.1f} us {r['kernel_ratio']:5.2f}{longest}" if "kernel_us" in r else ""
     return (f"  {name:12s} {fmt} M={m:2d} {what:45s} {r['us']:8.1f} us {r['rate'] / 1e12:5.2f} TB/s  "
-            f"{r['ratio']:5.2f} of copy{kernel}")
+            f"{r['ratio']:5.2f} of read{kernel}")
 
 
-def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None = None,
+def bench_qmatmul(ms: list[int], stream: float, sweep: bool, only: set[str] | None = None,
                   splits: bool = False, tiles: list[str] = (), extra: list[dict] = (), shapes: list = SHAPES,
                   min_bytes: int = MIN_BYTES, interpret: bool = False, exact: bool = True) -> list[dict]:
     """qmatmul (the Triton layout's route for each M under `exact`) and XLA's dequantize-then-dot on each shape at each
@@ -171,7 +176,7 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
                                                          for w in ws])
                     out = run(x, packed)[0]
                     err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                    times = _times(run, x, packed, gguf_bytes, copy)
+                    times = _times(run, x, packed, gguf_bytes, stream)
                 except Exception as e:  # a tile that does not compile is a result of the sweep, not a failure
                     print(f"  {name} {fmt} M={m} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
@@ -181,14 +186,14 @@ def bench_qmatmul(ms: list[int], copy: float, sweep: bool, only: set[str] | None
             if not (sweep or splits) or m == ms[0]:
                 xla = jax.jit(lambda x, ws: [jnp.dot(x, dequantize(w).astype(jnp.bfloat16).T,
                                                      preferred_element_type=jnp.float32) for w in ws])
-                times = _times(xla, x, qts, gguf_bytes, copy)
+                times = _times(xla, x, qts, gguf_bytes, stream)
                 rows.append(dict(kernel="xla_dequant_dot", matrix=name, fmt=fmt, n=n, k=k, m=m, **times))
                 print(_line(name, fmt, m, "XLA dequantize-then-dot", times), flush=True)
         del qts, packed
     return rows
 
 
-def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None, extra: list[dict] = ()) -> list[dict]:
+def bench_qmatmul_mgpu(ms: list[int], stream: float, only: set[str] | None = None, extra: list[dict] = ()) -> list[dict]:
     """The Mosaic GPU kernels and qmatmul on each 27B Q4_K and Q6_K shape at each M, errors against the float32
     product of the GGUF weights."""
     rows = []
@@ -216,7 +221,7 @@ def bench_qmatmul_mgpu(ms: list[int], copy: float, only: set[str] | None = None,
                     err = float(jnp.linalg.norm(first - exact) / jnp.linalg.norm(exact))
                     # bit for bit the same product on 8 more calls (XLA sums the K splits in a fixed order)
                     same = all(bool(jnp.array_equal(run(x, weights[:1])[0], first)) for _ in range(8))
-                    times = _times(run, x, weights, gguf_bytes, copy)
+                    times = _times(run, x, weights, gguf_bytes, stream)
                     rows.append(dict(kernel=kernel, matrix=name, fmt=fmt, n=n, k=k, m=m, **opts, rel_err=err,
                                      repeatable=same, **times))
                     print(_line(name, fmt, m, f"{kernel} {opts or ''}", times) + f"  err {err:.1e}"
@@ -234,23 +239,33 @@ def _random_tree(n: int, seed: int = 0) -> jax.Array:
     return anc
 
 
-def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True
-                         ) -> list[dict]:
+def _attention_caches(key: jax.Array, layers: int, slots: int, hkv: int, d: int, kind: str) -> list[tuple]:
+    """Per layer, random K and V caches [slots, hkv, d] in KV type `kind` (drawn in bf16, then cast or quantized)."""
+    draw = lambda k: kvq.stored(jax.random.normal(k, (slots, hkv, d), jnp.bfloat16),  # noqa: E731
+                                kvq.empty(kind, (slots, hkv, d)))
+    return [(draw(jax.random.fold_in(key[0], i)), draw(jax.random.fold_in(key[1], i))) for i in range(layers)]
+
+
+def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True,
+                         kv_types: tuple[str, ...] = ("bf16",)) -> list[dict]:
     cfg = load_target_config(CONFIG_27B)
     layers, hq, hkv, d = len(cfg.full_attention_layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     anc, lo = _random_tree(n), jnp.zeros(n, jnp.int32)
     rows = []
-    for context in contexts:
+    for context, kind in itertools.product(contexts, kv_types):
         slots = context + 64
         key = jax.random.split(jax.random.key(context), 5)
-        caches = [(jax.random.normal(jax.random.fold_in(key[0], i), (slots, hkv, d), jnp.bfloat16),
-                   jax.random.normal(jax.random.fold_in(key[1], i), (slots, hkv, d), jnp.bfloat16))
-                  for i in range(layers)]
+        caches = _attention_caches(key, layers, slots, hkv, d, kind)
         q = jax.random.normal(key[2], (n, hq, d))
         kb, vb = (jax.random.normal(k, (n, hkv, d)) for k in key[3:5])
+        if kvq.kv_type(kind).blocked:  # the block's rows in the cache's type, as models/target.py passes them
+            kb, vb = kvq.stored(kb, caches[0][0]), kvq.stored(vb, caches[0][1])
         length = jnp.int32(context)
-        floor_bytes = layers * (2 * context * hkv * d * 2 + (n * hq * d + 2 * n * hkv * d) * 4)
-        want = ref.tree_attention(q, *caches[0], length, kb, vb, anc, lo)
+        stored = row_bytes(caches[0][0])
+        floor_bytes = layers * (2 * context * hkv * stored + n * hq * d * 4 + 2 * n * hkv * row_bytes(kb))
+        read = lambda cs: [(kvq.readable(kc), kvq.readable(vc)) for kc, vc in cs]  # noqa: E731
+        rows_b = kvq.readable(kb), kvq.readable(vb)
+        want = ref.tree_attention(q, *read(caches[:1])[0], length, *rows_b, anc, lo)
         variants = [dict()]
         if sweep:
             # tiles at the default split, then the split at the default tile (the 2026-11-23 and -27 files hold
@@ -258,6 +273,7 @@ def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 
             variants += [dict(block_rows=r, block_k=b, num_warps=w, num_stages=st) for r in (32, 64, 128)
                          for b in (32, 64) for w in (4, 8) for st in (2, 3)]
             variants += [dict(splits=s) for s in (8, 32, 64)]
+        label = f"ctx={context:6d} N={n} {kind:5s}"
         for opts in variants:
             try:
                 run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo, exact=exact,
@@ -265,22 +281,23 @@ def bench_tree_attention(copy: float, sweep: bool, n: int = 23, contexts=(4096, 
                 err = float(jnp.linalg.norm(run(q, caches)[0] - want) / jnp.linalg.norm(want))
                 t = median_seconds(run, q, caches)
             except Exception as e:  # a variant that does not compile is a result of the sweep, not a failure
-                print(f"  tree_attention ctx={context} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"  tree_attention {label} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            floor = floor_bytes / copy
-            rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers,
+            floor = floor_bytes / stream
+            rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers, kv_type=kind,
                              **(opts or {"tile": "default"}),
                              us=t * 1e6, floor_us=floor * 1e6, floor_ratio=floor / t, rel_err=err,
                              **_kernel_times(run, q, caches)))
-            print(f"  tree_attention ctx={context:6d} N={n} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
+            print(f"  tree_attention {label} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
                   f"(floor {floor*1e6:7.1f} us, {floor / t:4.2f} of it)  err {err:.1e}"
                   + _kernel_note(rows[-1], "tree_attention"), flush=True)
-        xla = jax.jit(lambda q, cs: [ref.tree_attention(q, kc, vc, length, kb, vb, anc, lo) for kc, vc in cs])
+        # the reference dequantizes each layer as the model's reference path does
+        xla = jax.jit(lambda q, cs: [ref.tree_attention(q, kc, vc, length, *rows_b, anc, lo) for kc, vc in read(cs)])
         t = median_seconds(xla, q, caches)
-        rows.append(dict(kernel="xla_tree_attention", context=context, n=n, layers=layers, us=t * 1e6,
-                         floor_us=floor_bytes / copy * 1e6, floor_ratio=floor_bytes / copy / t,
+        rows.append(dict(kernel="xla_tree_attention", context=context, n=n, layers=layers, kv_type=kind,
+                         us=t * 1e6, floor_us=floor_bytes / stream * 1e6, floor_ratio=floor_bytes / stream / t,
                          **_kernel_times(xla, q, caches)))
-        print(f"  tree_attention ctx={context:6d} N={n} {'XLA reference':45s} {t*1e6:8.1f} us"
+        print(f"  tree_attention {label} {'XLA reference':45s} {t*1e6:8.1f} us"
               + (f"  kernels {rows[-1]['kernel_us']:8.1f} us" if "kernel_us" in rows[-1] else ""), flush=True)
         del caches
     return rows
@@ -305,13 +322,13 @@ def ar_weight_bytes() -> int:
     return sum(weight_bytes_by_format().values())
 
 
-def bench_gdn(copy: float, n: int = 23, exact: bool = True) -> list[dict]:
+def bench_gdn(stream: float, n: int = 23, exact: bool = True) -> list[dict]:
     cfg = load_target_config(CONFIG_27B)
     layers, h = len(cfg.linear_attention_layers), cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     anc = _random_tree(n)
     per_layer, ssm = gdn_layer_inputs(1, layers, n, h, dk, dv)
-    ar_s = ar_weight_bytes() / copy
+    ar_s = ar_weight_bytes() / stream
     rows = []
 
     def verify_all(fn):
@@ -344,16 +361,16 @@ def bench_gdn(copy: float, n: int = 23, exact: bool = True) -> list[dict]:
     state_bytes = 2 * ssm.nbytes  # read S0, write S
     for name, run in (("gdn commit", commit), ("XLA reference commit", commit_ref)):
         t = median_seconds(run, ssm, *carry)
-        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, floor_us=state_bytes / copy * 1e6,
-                         floor_ratio=state_bytes / copy / t, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
+        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, floor_us=state_bytes / stream * 1e6,
+                         floor_ratio=state_bytes / stream / t, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
                          **_kernel_times(run, ssm, *carry)))
         print(f"  {name:22s} N={n} x {layers} layers {t*1e6:8.1f} us (state read + write floor "
-              f"{state_bytes / copy * 1e6:.0f} us) = {t / ar_s:5.3f} of the AR step's weight streaming"
+              f"{state_bytes / stream * 1e6:.0f} us) = {t / ar_s:5.3f} of the AR step's weight streaming"
               + _kernel_note(rows[-1], "gdn"), flush=True)
     return rows
 
 
-def bench_tree_conv(copy: float, n: int = 23) -> list[dict]:
+def bench_tree_conv(stream: float, n: int = 23) -> list[dict]:
     cfg = load_target_config(CONFIG_27B)
     layers, c, kernel = len(cfg.linear_attention_layers), cfg.conv_dim, cfg.conv_kernel
     anc = _random_tree(n)
@@ -371,9 +388,9 @@ def bench_tree_conv(copy: float, n: int = 23) -> list[dict]:
         err = float(jnp.max(jnp.abs(run(xs, ws)[0] - want)))
         t = median_seconds(run, xs, ws)
         name = "XLA reference conv" if opts is None else "tree_conv " + " ".join(f"{k}={v}" for k, v in opts.items())
-        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, floor_us=moved / copy * 1e6,
-                         floor_ratio=moved / copy / t, max_err=err))
-        print(f"  {name:42s} N={n} x {layers} layers {t*1e6:8.1f} us (bytes floor {moved / copy * 1e6:.1f} us) "
+        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, floor_us=moved / stream * 1e6,
+                         floor_ratio=moved / stream / t, max_err=err))
+        print(f"  {name:42s} N={n} x {layers} layers {t*1e6:8.1f} us (bytes floor {moved / stream * 1e6:.1f} us) "
               f"err {err:.1e}", flush=True)
     return rows
 
@@ -394,43 +411,45 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
                     choices=["qmatmul", "qmatmul_mgpu", "tree_attention", "gdn", "tree_conv"],
                     help="which kernels to time")
+    ap.add_argument("--kv_types", nargs="+", choices=KV_TYPES, default=["bf16"],
+                    help="tree_attention's cache types (K and V alike)")
     ap.add_argument("--numerics", choices=NUMERICS, default=None,
                     help="the kernels' rounding (KernelConfig.numerics); default: this device's, as generate's")
     args = ap.parse_args(argv)
     exact = resolve_kernels(numerics=args.numerics).exact
     env = {**environment(), "exact": exact}
-    copy = copy_rate()
-    print(f"{env}\ncopy rate {copy / 1e12:.2f} TB/s (read + write)", flush=True)
+    copy, stream = copy_rate(), read_rate()
+    print(f"{env}\ncopy rate {copy / 1e12:.2f} TB/s (read + write), read stream {stream / 1e12:.2f} TB/s", flush=True)
     rows = []
     if "qmatmul" in args.kernels:
-        rows += bench_qmatmul(args.m, copy, args.sweep, set(args.only or ()), args.splits, args.tiles, args.variants,
+        rows += bench_qmatmul(args.m, stream, args.sweep, set(args.only or ()), args.splits, args.tiles, args.variants,
                               exact=exact)
     if "qmatmul_mgpu" in args.kernels:
-        rows += bench_qmatmul_mgpu(args.m, copy, set(args.only or ()), args.variants)
+        rows += bench_qmatmul_mgpu(args.m, stream, set(args.only or ()), args.variants)
     if "tree_attention" in args.kernels:
-        rows += bench_tree_attention(copy, args.sweep, exact=exact)
+        rows += bench_tree_attention(stream, args.sweep, exact=exact, kv_types=tuple(args.kv_types))
     if "gdn" in args.kernels:
-        rows += bench_gdn(copy, exact=exact)
+        rows += bench_gdn(stream, exact=exact)
     if "tree_conv" in args.kernels:
-        rows += bench_tree_conv(copy)
+        rows += bench_tree_conv(stream)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(env, copy_rate=copy, results=rows), indent=1))
+    args.out.write_text(json.dumps(dict(env, copy_rate=copy, read_rate=stream, results=rows), indent=1))
     for r in rows:
         if r["kernel"] not in ("qmatmul", "qmatmul_mgpu", "xla_dequant_dot") and "splits" not in r:  # not a sweep
             extra = f"  {r['floor_ratio']:.2f} of floor" if "floor_ratio" in r else ""
             extra += f"  {r['of_ar']:.3f} of AR weights" if "of_ar" in r else ""
-            print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} {r['us']:9.1f} us"
-                  + extra)
+            print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} "
+                  f"{r.get('kv_type', ''):5s} {r['us']:9.1f} us" + extra)
     if "qmatmul" in args.kernels:
         print(qmatmul_table(rows, args.m, [shape for shape in SHAPES
                                            if not args.only or f"{shape[0]}:{shape[1]}" in args.only]))
 
 
 def qmatmul_table(rows: list[dict], ms: list[int], shapes: list) -> str:
-    """qmatmul's default-tile rows as a table: us per product (wall) and the ratio of GGUF weight bytes/s to the copy
-    rate (wall / kernel time) at each M, XLA's ratio at the first M."""
-    lines = ["", "qmatmul, default tiles (us per product, wall; ratio = GGUF weight bytes/s over the copy rate, wall / "
-             "kernel time)",
+    """qmatmul's default-tile rows as a table: us per product (wall) and the ratio of GGUF weight bytes/s to the
+    read-stream rate (wall / kernel time) at each M, XLA's ratio at the first M."""
+    lines = ["", "qmatmul, default tiles (us per product, wall; ratio = GGUF weight bytes/s over the read-stream rate, "
+             "wall / kernel time)",
              f"{'matrix':12s} {'fmt':5s} {'N':>6s} {'K':>6s} " + " ".join(f"{'M=' + str(m):>18s}" for m in ms)
              + "   XLA M=" + str(ms[0])]
     for name, fmt, n, k in shapes:

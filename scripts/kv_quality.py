@@ -125,13 +125,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from dflash_jax import assets
     from dflash_jax.defaults import resolve_kernels
-    from dflash_jax.kernels import check_kv_type
     from dflash_jax.load import load_target, open_target, target_tokenizer
 
     kcfg = resolve_kernels("ddtree", impl=args.impl)
-    for t in types:
-        for x in split_type(t):
-            check_kv_type(x, kcfg)
     opened = open_target(args.target or assets.DEFAULT_TARGET)
     groups = sequences(target_tokenizer(opened), [s for s in args.sets.split(",") if s],
                        [s for s in args.ids.split(",") if s], args.limit, args.long, args.n_long)

@@ -36,6 +36,8 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
                        "--n_gen", "32", "--iters", "1", "--impl", "reference"])
     res = json.loads(out.read_text())
     assert res["ar"]["tokens_per_s"] > 0 and 0 < res["ar"]["roofline_fraction"]
+    # the roofline: the step's weights read once at the read-stream rate (not the copy rate, half writes)
+    assert res["ar"]["roofline_ms"] == pytest.approx(1e3 * res["models"]["step_weight_bytes"] / res["read_rate"])
     forced, = res["forced"]
     assert forced["follows_sequence"] and abs(forced["accept_length"] - 3) <= 0.15 * 3  # calibrated to the goal
     step, = res["steps"]
@@ -49,6 +51,7 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     run_script(bench, ["--out", str(merged), "--merge", f"{out}:steps+forced"])
     again = json.loads(merged.read_text())
     assert again["steps"] == res["steps"] and again["forced"] == res["forced"] and again["ar"] == res["ar"]
+    assert again["read_rate"] == res["read_rate"]
     assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
 
 
@@ -79,12 +82,13 @@ def test_bench_summary_of_long_contexts_alone():
     """`--sections long` runs no AR section: its table has the run's line and the contexts' steps, no step table."""
     import bench
 
-    res = dict(device="GPU", jax="0", date="d", copy_rate=2e12, model="27b", models=dict(step_weight_bytes=1.6e10),
-               long=[dict(context=32768, ar_step_ms=20.0, ddtree_step_ms=30.0, ddtree_over_ar=1.5,
+    res = dict(device="GPU", jax="0", date="d", copy_rate=2e12, read_rate=3.5e12, model="27b",
+               models=dict(step_weight_bytes=1.6e10),
+               long=[dict(context=32768, budget=8, ar_step_ms=20.0, ddtree_step_ms=30.0, ddtree_over_ar=1.5,
                           memory=dict(peak_bytes_in_use=2**31))])
     lines = bench.summary(res).splitlines()
-    assert lines == ["GPU jax 0 d; copy 2000 GB/s; model 27b (16.00 GB streamed per step)",
-                     "context 32768: AR 20.00 ms, DDTree-22 30.00 ms (1.50 x), peak 2.0 GiB"]
+    assert lines == ["GPU jax 0 d; copy 2000 GB/s; read 3500 GB/s; model 27b (16.00 GB streamed per step)",
+                     "context 32768: AR 20.00 ms, DDTree-8 30.00 ms (1.50 x), peak 2.0 GiB"]
 
 
 def test_bench_resolves_the_configuration_generate_resolves():
@@ -212,13 +216,13 @@ def test_qmatmul_sass_reads_the_kernel_ir_and_its_loops():
 
 def test_attn_smem_lowers_tree_attention_with_its_default_stages():
     """scripts/attn_smem.py's Triton IR of tree attention without a GPU: the 27B's bfloat16 caches launch with three
-    pipeline stages, its float32 ones with two (three asked more shared memory than an SM has)."""
+    pipeline stages, its float32 ones with two (three asked more shared memory than an SM has), its q8_0 ones with
+    three."""
     import attn_smem
-    import jax.numpy as jnp
 
-    for dtype, expected in ((jnp.bfloat16, 3), (jnp.float32, 2)):
-        ir_text, warps, stages = attn_smem.triton_ir(24, 4, 256, dtype)
-        assert '"tt.dot"' in ir_text and (warps, stages) == (4, expected), (dtype, warps, stages)
+    for kind, expected in (("bf16", 3), ("f32", 2), ("q8_0", 3)):
+        ir_text, warps, stages = attn_smem.triton_ir(24, 4, 256, kind)
+        assert '"tt.dot"' in ir_text and (warps, stages) == (4, expected), (kind, warps, stages)
 
 
 def test_mgpu_ptx_counts_the_kernels_instructions(capsys):

@@ -1,7 +1,7 @@
 """The target's KV cache in each type (dflash_jax/kv_quant.py) through the engine: q8_0 decodes what bf16 decodes on the
-fixture pair in every mode, speculative decoding stays exact on the low-bit types, the state's bytes are the type's,
-the interpret-mode kernels read every type, the GPU kernel refuses the block types, and the step writes a quantized
-cache in place."""
+fixture pair in every mode, speculative decoding stays exact on the low-bit types (reference and interpret-mode
+kernels), the state's bytes are the type's, the interpret-mode kernels read every type, the GPU step lowers with a
+block type, and the step writes a quantized cache in place."""
 
 import dataclasses
 
@@ -20,7 +20,6 @@ from dflash_jax.engine.step import MAX_STOP_IDS, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.load import load_draft, load_target
 from dflash_jax.models.target import init_state, params_from_tensors
-from dflash_jax.quant import Unsupported
 from dflash_jax.testing.oracle import OracleDrafter
 from dflash_jax.testing.synthetic import tree_bytes
 from dflash_jax.testing.tiny import random_gguf_tensors, tiny_target_config
@@ -61,27 +60,44 @@ def prompt(seed):
     return rng.integers(10, CFG.vocab_size, int(rng.choice([5, 40, 70])))
 
 
-@pytest.mark.parametrize("kv_type, v_type", [("q4_0", None), ("rq3_0", None), ("q4_0", "bf16")])
-def test_speculative_decoding_stays_exact_on_low_bit_caches(params, kv_type, v_type):
-    """A DDTree over an oracle drafter's proposals (deep paths, sibling branches) emits what AR emits with the same
-    cache types (q4_0 keys beside bf16 values too): the tree's keys are read as the cache will hold them. The type
-    does change the output (from f32's), so the quantization is in the path."""
-    types = dict(kv_type=kv_type, kv_type_v=v_type)
-    ar = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX, **types))
-    f32 = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX))
-    tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=8, topk=4, max_ctx=MAX_CTX, **types),
-                  OracleDrafter(8, CFG.vocab_size, 0.25, seed=1), None)
-    differs, lengths = False, []
-    for seed in range(4):
-        ids, want = prompt(seed), ar.generate(prompt(seed), 24).tokens
+def tree_equals_ar(params, kv_type: str, prompts: int, n_gen: int, kcfg: KernelConfig = REFERENCE,
+                   v_type: str | None = None):
+    """Each of the first `prompts` prompts decoded by AR, then by a DDTree over an oracle drafter's proposals of AR's
+    continuation (deep paths, sibling branches), both with the same cache types (the values in `v_type` if given) and
+    kernels: the tree must emit what AR emits. Returns [(prompt, AR's tokens)] and the tree's acceptance lengths."""
+    types = dict(max_ctx=MAX_CTX, kv_type=kv_type, kv_type_v=v_type)
+    ar = Engine(CFG, params, EngineConfig(mode="ar", **types), kcfg=kcfg)
+    tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=8, topk=4, **types),
+                  OracleDrafter(8, CFG.vocab_size, 0.25, seed=1), None, kcfg=kcfg)
+    pairs, lengths = [], []
+    for seed in range(prompts):
+        ids, want = prompt(seed), ar.generate(prompt(seed), n_gen).tokens
         sequence = np.zeros(MAX_CTX, np.int32)
         sequence[:len(ids) + len(want)] = np.concatenate([ids, want])
         tree.dparams = {"sequence": jnp.asarray(sequence)}
-        out = tree.generate(ids, 24)
+        out = tree.generate(ids, n_gen)
         assert out.tokens == want, seed
+        pairs.append((ids, want))
         lengths += out.accept_lengths
-        differs |= f32.generate(ids, 24).tokens != want
-    assert differs and max(lengths) >= 5
+    return pairs, lengths
+
+
+@pytest.mark.parametrize("kv_type, v_type", [("q4_0", None), ("rq3_0", None), ("q4_0", "bf16")])
+def test_speculative_decoding_stays_exact_on_low_bit_caches(params, kv_type, v_type):
+    """A DDTree emits what AR emits with the same cache types (q4_0 keys beside bf16 values too): the tree's keys are
+    read as the cache will hold them. The type does change the output (from f32's), so the quantization is in the
+    path."""
+    pairs, lengths = tree_equals_ar(params, kv_type, 4, 24, v_type=v_type)
+    f32 = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type="f32"))
+    assert any(f32.generate(ids, 24).tokens != want for ids, want in pairs) and max(lengths) >= 5
+
+
+def test_speculative_decoding_stays_exact_with_the_interpret_kernels(params):
+    """As above with the Pallas kernels in interpret mode, on the rotated type: the tree-attention kernel decodes the
+    tree's own blocks as it decodes the cache's (and rotates the queries and outputs of both alike), so a DDTree
+    emits what AR emits."""
+    _, lengths = tree_equals_ar(params, "rq3_0", 2, 16, KernelConfig(impl="pallas", interpret=True))
+    assert max(lengths) >= 4
 
 
 @pytest.mark.parametrize("kv_type", KV_TYPES)
@@ -137,8 +153,8 @@ def test_the_interpret_kernels_read_keys_and_values_of_different_types(params, k
 
 def test_the_interpret_kernels_read_a_rotated_cache(params):
     """A prompt's second chunk over the rq3_0 blocks of its first (written by the reference path): the Pallas
-    kernels in interpret mode dequantize them tile by tile and give the reference path's logits, to the kernels'
-    bf16 products."""
+    kernels in interpret mode decode them tile by tile (the chunk's own rows too) and give the reference path's
+    logits, to the kernels' bf16 products."""
     ids = np.random.default_rng(9).integers(10, CFG.vocab_size, 80).tolist()  # chunks of 64 and 16
     _, _, state = prefill(params, CFG, init_state(CFG, 128, "rq3_0"), ids[:64])
 
@@ -151,12 +167,20 @@ def test_the_interpret_kernels_read_a_rotated_cache(params):
     assert int(np.argmax(ref)) == int(np.argmax(interp))
 
 
-def test_the_gpu_kernel_refuses_a_block_type(params):
-    for kv_type in ("q8_0", "rq3_0"):
-        with pytest.raises(Unsupported, match=rf"does not read quantized KV caches \({kv_type}\) yet; use a float KV "
-                                              r"type \(f32, bf16, f16\)"):
-            Engine(CFG, params, EngineConfig(mode="ar", kv_type=kv_type), kcfg=KernelConfig(impl="pallas"))
-    Engine(CFG, params, EngineConfig(mode="ar", kv_type="f16"), kcfg=KernelConfig(impl="pallas"))
+@pytest.mark.parametrize("mode, kv_type", [("ar", "q8_0"), ("ddtree", "rq3_0")])
+def test_the_gpu_step_lowers_with_a_block_type(params, mode, kv_type):
+    """The step with the Pallas GPU kernels (not interpret mode) over a block-type cache lowers for CUDA without a
+    GPU, its attention on the tree-attention kernel (no refusal, no fallback to the reference)."""
+    max_ctx = 256
+    drafter = OracleDrafter(8, CFG.vocab_size, 0.25) if mode != "ar" else None
+    dparams = {"sequence": jnp.zeros(max_ctx, jnp.int32)} if drafter else None
+    state = DecodeState(target=init_state(CFG, max_ctx + MAX_TREE_NODES, kv_type), draft=None,
+                        root=jnp.int32(1), remaining=jnp.int32(10), done=jnp.bool_(False))
+    step = make_step(CFG, drafter, EngineConfig(mode=mode, budget=8, max_ctx=max_ctx, kv_type=kv_type),
+                     KernelConfig(impl="pallas"))
+    hlo = step.trace(params, dparams, state, jnp.full(MAX_STOP_IDS, -1, jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert 'name = "tree_attention"' in hlo
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])

@@ -15,7 +15,7 @@ from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, p
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
-from dflash_jax.kernels import REFERENCE, check_kv_type
+from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.target import init_state
 
@@ -85,8 +85,6 @@ class Engine:
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
         self.kcfg = kcfg
-        for kv_type in ecfg.kv_types:
-            check_kv_type(kv_type, kcfg)
         self.step = make_step(tcfg, self.drafter, ecfg, kcfg)
 
     @classmethod

@@ -148,9 +148,9 @@ def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_all: jax.Array, v_all
     # make XLA copy the whole cache to write it
     k_all = write_rows(k_all, k, length, layer)
     v_all = write_rows(v_all, v, length, layer)
-    # the block's own keys in the compute dtype, with the values the cache holds once committed: a later token reads
-    # them from the cache, and a tree's deeper nodes must see what it would see
-    k, v = kvq.readable(k), kvq.readable(v)
+    # the block's own keys as the cache holds them once committed: a later token reads them from the cache, and a
+    # tree's deeper nodes must see what it would see (the reference dequantizes them, the kernel decodes them as it
+    # decodes the cache's tiles)
     o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), kcfg, layer)
     o = o.reshape(n, cfg.num_heads * hd)
     return linear(o * jax.nn.sigmoid(gate), p["wo"], kcfg), k_all, v_all
