@@ -34,8 +34,8 @@ def dparams():
 
 
 def linear(state: D.DraftState, slots: int = SLOTS) -> D.DraftState:
-    """The same groups and windows, stored linearly (position p at slot p) in `slots` slots."""
-    grow = lambda c: jnp.zeros((c.shape[0], slots, *c.shape[2:]), c.dtype)  # noqa: E731
+    """The same groups, windows and KV types, stored linearly (position p at slot p) in `slots` slots."""
+    grow = lambda c: jax.tree.map(lambda x: jnp.zeros((x.shape[0], slots, *x.shape[2:]), x.dtype), c)  # noqa: E731
     return dataclasses.replace(state, k=tuple(map(grow, state.k)), v=tuple(map(grow, state.v)),
                                rings=(False,) * len(state.k))
 
@@ -62,15 +62,16 @@ def test_the_groups_and_their_rings():
     # a window of at least half the slots is kept linearly (a ring would take as many slots or more)
     assert D.init_draft_state(DCFG, 12, context=CONTEXT).rings == (False, False)
     assert D.init_draft_state(DCFG, SLOTS).windows == (None, 6)
-    assert [c.dtype for c in D.init_draft_state(DCFG, SLOTS, ("q8_0", "f16")).k + D.init_draft_state(
-        DCFG, SLOTS, ("q8_0", "f16")).v] == [jnp.bfloat16] * 2 + [jnp.float16] * 2
+    typed = D.init_draft_state(DCFG, SLOTS, ("q8_0", "f16"))
+    assert [c.kind for c in typed.k] == ["q8_0"] * 2 and [c.dtype for c in typed.v] == [jnp.float16] * 2
 
 
-def test_a_ring_holds_each_position_of_its_window_at_both_of_its_slots(dparams):
+@pytest.mark.parametrize("kv_types", [("f32", "f32"), ("q8_0", "rq3_0")])
+def test_a_ring_holds_each_position_of_its_window_at_both_of_its_slots(dparams, kv_types):
     """After each chunk (one crossing the rings' ends, one longer than the rings, one whose last rows are padding
     that must not be written), both slots of every position in a group's window hold that position's keys and
-    values, as a linear cache holds them."""
-    ring = D.init_draft_state(DCFG, SLOTS, context=CONTEXT)
+    values, as a linear cache holds them (in a block type, every field of its blocks)."""
+    ring = D.init_draft_state(DCFG, SLOTS, kv_types, context=CONTEXT)
     flat = linear(ring)
     for i, (n, valid) in enumerate(CHUNKS):
         ring = extend(dparams, DCFG, ring, taps(n, i), jnp.int32(valid))
@@ -79,8 +80,8 @@ def test_a_ring_holds_each_position_of_its_window_at_both_of_its_slots(dparams):
         for g, w in enumerate(ring.windows):
             for p in range(max(0, length - w), length):
                 for got, want in ((ring.k[g], flat.k[g]), (ring.v[g], flat.v[g])):
-                    np.testing.assert_array_equal(got[:, p % w], want[:, p])
-                    np.testing.assert_array_equal(got[:, p % w + w], want[:, p])
+                    for slot in (p % w, p % w + w):
+                        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[:, slot], b[:, p]), got, want)
     assert int(ring.length) == 34
 
 
@@ -100,10 +101,12 @@ def test_the_drafter_sees_through_a_ring_what_a_linear_cache_with_its_window_sho
         assert np.abs(logits["ring"] - logits["whole"]).max() > 1e-2
 
 
-def test_the_interpret_kernel_reads_a_ring_as_the_reference_does(tparams, dparams):
-    """The Pallas attention (interpret mode) over the rings' slots: the reference path's logits, to its bf16
-    products."""
-    ring = filled(D.init_draft_state(DCFG, SLOTS, context=CONTEXT), dparams, 4)
+@pytest.mark.parametrize("kv_types", [("f32", "f32"), ("q8_0", "q8_0")])
+def test_the_interpret_kernel_reads_a_ring_as_the_reference_does(tparams, dparams, kv_types):
+    """The Pallas attention (interpret mode) over the rings' slots, in a float and a block type: the reference path's
+    logits, to its bf16 products. (A 4-bit type moves further, 2 %: each layer quantizes the block's own rows anew,
+    and the products' small difference in a layer's input moves some of their codes a whole step.)"""
+    ring = filled(D.init_draft_state(DCFG, SLOTS, kv_types, context=CONTEXT), dparams, 4)
     ref = np.asarray(propose(dparams, DCFG, ring, tparams, jnp.int32(3))[1])
     got = np.asarray(propose(dparams, DCFG, ring, tparams, jnp.int32(3),
                              kcfg=KernelConfig(impl="pallas", interpret=True))[1])
@@ -178,3 +181,21 @@ def test_a_snapshot_of_rings_restores_them_and_pages_only_their_slots(engines):
     tail = ids_of(4, 9)
     state, token = engine.start(tail, 8, after=engine.restore(long), keep_pending=False)
     assert engine.decode(state, token, 8).tokens == ar.generate(np.concatenate([ids, tail]), 8).tokens
+
+
+def test_a_ring_is_written_in_place():
+    """The context extension's compiled call aliases a ring state whole (both copies of each row go in by one scatter
+    into the donated cache), with temporaries well below it."""
+    from dflash_jax.engine import generate as engine_module
+    from dflash_jax.testing.synthetic import tree_bytes
+
+    cfg = tiny_draft_config(TCFG, ("full_attention",) * 4, block_size=8, taps=(0, 2))
+    cfg = dataclasses.replace(cfg, num_heads=4, num_kv_heads=4, head_dim=128)
+    drafter = DFlashDrafter(cfg)
+    state = drafter.init_state(8192, ("f32", "f32"), 1024)
+    assert state.rings == (True,) and state.k[0].shape[1] == 2048
+    params = jax.tree.map(jnp.asarray, D.params_from_tensors(cfg, random_draft_tensors(cfg, seed=3)))
+    memory = engine_module._extend.lower(drafter, params, state, jnp.zeros((64, 2, cfg.hidden_size)),
+                                         jnp.int32(64)).compile().memory_analysis()
+    assert memory.alias_size_in_bytes == tree_bytes(state)
+    assert memory.temp_size_in_bytes < 0.5 * tree_bytes(state), (memory.temp_size_in_bytes, tree_bytes(state))

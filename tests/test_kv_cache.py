@@ -102,8 +102,8 @@ def test_speculative_decoding_stays_exact_with_the_interpret_kernels(params):
 
 @pytest.mark.parametrize("kv_type", KV_TYPES)
 def test_state_bytes_are_the_types(pair, kv_type):
-    """The state counts the target's K and V at the type's bits per value (the drafter's context cache in its
-    draft dtype) against the float32 state, from shapes alone."""
+    """The state counts the target's K and V and the drafter's context cache at the type's bits per value against
+    the float32 state, from shapes alone."""
     target, draft = pair
     ecfg = EngineConfig(mode="ddtree", max_ctx=256, kv_type=kv_type)
     got = Engine.from_loaded(*pair, ecfg).state_bytes()
@@ -111,14 +111,13 @@ def test_state_bytes_are_the_types(pair, kv_type):
     cfg, dcfg, t = target.config, draft.config, kvq.kv_type(kv_type)
     values = 2 * len(cfg.full_attention_layers) * (256 + MAX_TREE_NODES) * cfg.num_kv_heads * cfg.head_dim
     draft_values = 2 * dcfg.num_layers * 256 * dcfg.num_kv_heads * dcfg.head_dim
-    assert got == f32 - values * (4 - t.bits / 8) - draft_values * (4 - t.draft_dtype.itemsize)
+    assert got == f32 - (values + draft_values) * (4 - t.bits / 8)
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
 def test_keys_and_values_of_different_types_decode_what_ar_decodes(pair, mode):
-    """q8_0 keys beside bf16 values: the target's keys are blocks and its values an array, the drafter keeps both in
-    bf16 (a block type's draft dtype), the state counts each at its type, and greedy speculative decoding emits what
-    AR emits with the same caches."""
+    """q8_0 keys beside bf16 values: the target's and the drafter's keys are blocks and their values arrays, the
+    state counts each at its type, and greedy speculative decoding emits what AR emits with the same caches."""
     target, draft = pair
     ecfg = EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type="bf16", kv_type_k="q8_0")
     ids = np.load(TINY / "tokens.npy")
@@ -128,12 +127,12 @@ def test_keys_and_values_of_different_types_decode_what_ar_decodes(pair, mode):
     assert gen.tokens == want  # the fixture's drafter is random: the oracle test below has the deep paths
     t, d = gen.state.target, gen.state.draft
     assert isinstance(t.k, kvq.KVBlocks) and t.k.kind == "q8_0" and t.v.dtype == jnp.bfloat16
-    assert [c.dtype for c in d.k + d.v] == [jnp.bfloat16] * 2
+    assert [c.kind for c in d.k] == ["q8_0"] and [c.dtype for c in d.v] == [jnp.bfloat16]
     cfg, dcfg = target.config, draft.config
     values = len(cfg.full_attention_layers) * (MAX_CTX + MAX_TREE_NODES) * cfg.num_kv_heads * cfg.head_dim
-    draft_values = 2 * dcfg.num_layers * MAX_CTX * dcfg.num_kv_heads * dcfg.head_dim
+    values += dcfg.num_layers * MAX_CTX * dcfg.num_kv_heads * dcfg.head_dim  # K (and V) of each
     f32 = Engine.from_loaded(*pair, EngineConfig(mode=mode, max_ctx=MAX_CTX)).state_bytes()
-    assert engine.state_bytes() == f32 - values * (4 - 8.5 / 8) - values * 2 - draft_values * 2
+    assert engine.state_bytes() == f32 - values * (4 - 8.5 / 8) - values * 2
 
 
 @pytest.mark.parametrize("k_type, v_type", [("q8_0", "bf16"), ("f32", "rq3_0")])

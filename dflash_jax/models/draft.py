@@ -124,8 +124,8 @@ class DraftState:
     back a position it has overwritten: `start[g]` is the first position the group still holds (0 until a rewind,
     `rewound`), and no layer sees further back."""
 
-    k: tuple[jax.Array, ...]  # per group: [group layers, slots, kv_heads, head_dim]
-    v: tuple[jax.Array, ...]  # per group: [group layers, slots, kv_heads, head_dim]
+    k: tuple[jax.Array | kvq.KVBlocks, ...]  # per group: [group layers, slots, kv_heads, head_dim], in a KV type
+    v: tuple[jax.Array | kvq.KVBlocks, ...]  # per group: [group layers, slots, kv_heads, head_dim], in a KV type
     length: jax.Array  # [] int32: committed tokens
     start: jax.Array  # [groups] int32: the first position each group still holds
     windows: tuple[int | None, ...] = dataclasses.field(metadata=dict(static=True))  # per group; None: all
@@ -149,17 +149,17 @@ def group_windows(cfg: DraftConfig, context: int | None) -> tuple[int | None, ..
 
 def init_draft_state(cfg: DraftConfig, slots: int, kv_types: tuple[str, str] = ("f32", "f32"),
                      context: int | None = None) -> DraftState:
-    """An empty context cache for up to `slots` committed tokens, keys and values in the drafter's dtypes of the KV
-    types (kv_quant.KVType.draft_dtype), the full-attention layers seeing the last `context` positions (None: all).
-    A group whose window is under half the slots is a ring of twice its window; the others are linear."""
-    k_dtype, v_dtype = (kvq.kv_type(t).draft_dtype for t in kv_types)
+    """An empty context cache for up to `slots` committed tokens, keys and values in the KV types kv_types (names of
+    kv_quant.TYPES), the full-attention layers seeing the last `context` positions (None: all). A group whose window
+    is under half the slots is a ring of twice its window; the others are linear."""
+    k_type, v_type = kv_types
     k, v, rings = [], [], []
     windows = group_windows(cfg, context)
     for layers, window in zip(cache_groups(cfg), windows):
         ring = window is not None and 2 * window < slots
         shape = (len(layers), 2 * window if ring else slots, cfg.num_kv_heads, cfg.head_dim)
-        k.append(jnp.zeros(shape, k_dtype))
-        v.append(jnp.zeros(shape, v_dtype))
+        k.append(kvq.empty(k_type, shape))
+        v.append(kvq.empty(v_type, shape))
         rings.append(ring)
     return DraftState(k=tuple(k), v=tuple(v), length=jnp.zeros((), jnp.int32),
                       start=jnp.zeros(len(windows), jnp.int32), windows=windows, rings=tuple(rings))
@@ -250,6 +250,8 @@ def draft_hidden(params: dict, cfg: DraftConfig, state: DraftState, target_param
         blk_mask, first = _visibility(cfg, layer, state.length)
         g, j = _place(cfg, layer)
         end, prefix_lo = _cache_slots(state, g, first)
+        # the block's own keys and values in the cache's types, as the kernel reads a block (models/target.py)
+        k, v = kvq.stored(k, state.k[g]), kvq.stored(v, state.v[g])
         o = kernels.tree_attention(q, state.k[g], state.v[g], end, k, v, blk_mask, prefix_lo, kcfg, j)
         x = x + linear(o.reshape(b, -1), p["wo"], kcfg)
         x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"], kcfg)
