@@ -48,8 +48,8 @@ class UsageError(InputError):
 class Models:
     """A loaded target (its KernelConfig with it), its tokenizer and (for chain/ddtree) its drafter."""
 
-    target: object  # dflash_jax.load.Target
-    draft: object | None  # dflash_jax.load.Draft
+    target: object  # dflash_jax.models.target.Target
+    draft: object | None  # dflash_jax.models.draft.Draft
     tokenizer: Tokenizer
     load_s: float
 

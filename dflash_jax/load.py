@@ -1,8 +1,9 @@
 """Load a target model (a `qwen35` GGUF file or an HF safetensors directory) or a DFlash drafter onto the device.
 
-Both routes end in the same layout (GGUF names and conventions, value heads tiled, see `dflash_jax.weights`):
-matrices are QTensors in their stored format (GGUF quants, or dense BF16/F16/F32 from safetensors), norms and the
-small GDN tensors float32. Tensors are read, converted and put on the device one at a time, so host memory holds one
+Both routes end in the same layout (GGUF names and conventions, value heads tiled, see `dflash_jax.weights`) and the
+same Flax NNX module (`models.target.Target`, `models.draft.Draft`): matrices are QTensors in their stored format
+(GGUF quants, or dense BF16/F16/F32 from safetensors) or the kernels' layout, norms and the small GDN tensors
+float32. Tensors are read, converted and put on the device one at a time, so host memory holds one
 tensor beyond the memory-mapped file; a progress bar counts the bytes.
 """
 
@@ -12,7 +13,7 @@ import contextlib
 import dataclasses
 import glob
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,9 @@ from dflash_jax.config import (ConfigError, DraftConfig, KernelConfig, TargetCon
 from dflash_jax.errors import InputError, brief
 from dflash_jax.gguf import GGUFModel, tensor_specs
 from dflash_jax.kernels import REFERENCE, prepare_matrices, prepare_matrix
-from dflash_jax.models.draft import check_pair
-from dflash_jax.models.draft import params_from_tensors as draft_params_from_tensors
+from dflash_jax.models.draft import Draft, check_pair, draft_from_tensors
 from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
-from dflash_jax.models.target import params_from_tensors
+from dflash_jax.models.target import Target, target_from_tensors
 from dflash_jax.quant import QTensor, nonfinite_field
 from dflash_jax.weights import WeightsError, iter_hf_to_gguf
 
@@ -42,18 +42,6 @@ _SKIPPED_HF = ("mtp.", "model.visual.", "visual.")  # the MTP head and the visio
 
 class LoadError(InputError):
     """A model path that cannot be loaded: missing, of another architecture, or without usable weights."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A loaded target: its config, the parameter pytree on the device, where it came from, and the kernel
-    configuration its matrices are laid out for (every engine built on it runs that configuration)."""
-
-    config: TargetConfig
-    params: dict
-    path: str
-    gguf: GGUFModel | None  # the open file (tokenizer metadata lives there); None for an HF directory
-    kcfg: KernelConfig = REFERENCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +89,16 @@ def load_target(path: str | os.PathLike | TargetFile, *, progress: bool = True,
     one `open_target` opened), its quantized matrices repacked for `kcfg`'s kernels as they load
     (`dflash_jax.defaults.resolve_kernels` gives the device's configuration; the default is the reference path)."""
     source = path if isinstance(path, TargetFile) else open_target(path)
-    target = (_load_gguf(source.gguf, progress, kcfg) if source.gguf is not None
-              else _load_hf_dir(source.path, source.config, progress))
-    # the embedding is read by row and stays a QTensor; a tied lm_head gets its own packed copy here
-    return dataclasses.replace(target, params=prepare_matrices(target.params, kcfg, skip=("embed",)), kcfg=kcfg)
+    tensors = (_load_gguf(source.gguf, progress, kcfg) if source.gguf is not None
+               else _load_hf_dir(source.path, source.config, progress))
+    return target_from_tensors(source.config, prepare_target(tensors, kcfg), kcfg)
+
+
+def prepare_target(tensors: dict[str, Any], kcfg: KernelConfig) -> dict[str, Any]:
+    """A target's tensors by GGUF name in the layout `kcfg` computes with (`kernels.prepare_matrices`): the embedding
+    is read by row and stays a QTensor; a tied head (no output.weight) gets its own copy in the kernels' layout."""
+    return prepare_matrices({"output.weight": tensors["token_embd.weight"], **tensors}, kcfg,
+                            skip=("token_embd.weight",))
 
 
 def _bar(total: int, path: str, progress: bool):
@@ -123,7 +117,7 @@ def _finite(path: str, name: str, x: QTensor | np.ndarray) -> QTensor | np.ndarr
     return x
 
 
-def _load_gguf(model: GGUFModel, progress: bool, kcfg: KernelConfig) -> Target:
+def _load_gguf(model: GGUFModel, progress: bool, kcfg: KernelConfig) -> dict[str, Any]:
     path, cfg = model.path, model.config
     # MTP blocks (blk.N and up) are not used by the engine: skip their bytes.
     names = [n for n in model.tensors if not (n.startswith("blk.") and int(n.split(".")[1]) >= cfg.num_layers)]
@@ -134,7 +128,7 @@ def _load_gguf(model: GGUFModel, progress: bool, kcfg: KernelConfig) -> Target:
             # repacked one at a time, so the GGUF layout of only one tensor is on the device at once
             tensors[name] = x if name == "token_embd.weight" else prepare_matrix(x, kcfg)
             bar.update(model.tensors[name].nbytes)
-    return Target(cfg, params_from_tensors(cfg, tensors), path, model)
+    return tensors
 
 
 def _architectures(d: dict, where: str) -> list[str]:
@@ -192,7 +186,7 @@ def _open_safetensors(files: list[str]) -> Iterator[dict]:
         yield where
 
 
-def _load_hf_dir(path: str, cfg: TargetConfig, progress: bool) -> Target:
+def _load_hf_dir(path: str, cfg: TargetConfig, progress: bool) -> dict[str, Any]:
     specs = tensor_specs(cfg)
     with _open_safetensors(_safetensors_files(path)) as where:
         info = {name: h.get_slice(name) for name, h in where.items()}
@@ -215,16 +209,7 @@ def _load_hf_dir(path: str, cfg: TargetConfig, progress: bool) -> Target:
                     bar.update(nbytes[hf_name])
             except WeightsError as e:
                 raise LoadError(f"{path}: {e}") from None
-    return Target(cfg, params_from_tensors(cfg, tensors), path, None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Draft:
-    """A loaded DFlash drafter: its config, the parameter pytree on the device, and where it came from."""
-
-    config: DraftConfig
-    params: dict
-    path: str
+    return tensors
 
 
 def draft_config(path: str | os.PathLike, target: TargetConfig) -> DraftConfig:
@@ -282,4 +267,4 @@ def load_draft(path: str | os.PathLike, target: TargetConfig, *, progress: bool 
                     x = x.astype(np.float32)
                 tensors[name] = _on_device(_finite(path, name, x))
                 bar.update(nbytes[name])
-    return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), kcfg), path)
+    return draft_from_tensors(cfg, prepare_matrices(tensors, kcfg), kcfg)

@@ -94,7 +94,7 @@ def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_type
     ids = check_tokens(cfg, ids)
     state = init_state(cfg, slots=slots or -(-len(ids) // chunk) * chunk, kv_type=kv_type, v_type=v_type)
     logits = []
-    for _, lg, _, state in prefill_chunks(model.params, cfg, state, ids, chunk=chunk, all_logits=True,
+    for _, lg, _, state in prefill_chunks(model, cfg, state, ids, chunk=chunk, all_logits=True,
                                           kcfg=model.kcfg):
         logits.append(np.asarray(lg, np.float32))  # to the host chunk by chunk: [n, V] can be large
     logits = np.concatenate(logits)

@@ -60,11 +60,10 @@ def run(argv: Sequence[str]) -> int:
     from dflash_jax.config import draft_config_to_hf
     from dflash_jax.load import load_target
     from dflash_jax.models import draft as draft_model
-    from dflash_jax.models.target import embed_tokens
     from dflash_jax.tokenizer import load_tokenizer
     from dflash_jax.training import checkpoint
     from dflash_jax.training.data import batches
-    from dflash_jax.training.draft_trainer import BlockConfig, draft_config_for, draft_trainer
+    from dflash_jax.training.draft_trainer import BlockConfig, draft_config_for, draft_trainer, trained_draft
     from dflash_jax.training.loop import TrainConfig
 
     logging.set_verbosity(logging.WARNING)
@@ -87,7 +86,7 @@ def run(argv: Sequence[str]) -> int:
     mask_id = tok.special.get(f.mask_token) if f.mask_token_id < 0 else f.mask_token_id
     if mask_id is None or not 0 <= mask_id < target.config.vocab_size:
         raise UsageError(f"no mask token: the tokenizer has no {f.mask_token!r} and --mask_token_id is not given")
-    row_norm = float(np.linalg.norm(np.asarray(embed_tokens(target.params, jax.numpy.asarray([mask_id])))))
+    row_norm = float(np.linalg.norm(np.asarray(target.embed_tokens(jax.numpy.asarray([mask_id])))))
     _log(f"target: {f.target} ({target.config.num_layers} layers, hidden {target.config.hidden_size}); mask token "
          f"{mask_id}, its embedding row has norm {row_norm:.3g}" + (" (near zero: every MASK slot starts alike)"
                                                                      if row_norm < 1e-3 else ""))
@@ -96,7 +95,7 @@ def run(argv: Sequence[str]) -> int:
     bc = BlockConfig(anchors=f.anchors, gamma=f.gamma or GAMMA.get(f.block_size, round(7.0 * f.block_size / 16, 1)),
                      labels=f.labels, dtype=f.dtype)
     train, test = load_corpus(docs, tok, f.seq_len, f.held_out)
-    trainer = draft_trainer(cfg, target.config, target.params, tc, bc)
+    trainer = draft_trainer(cfg, target, tc, bc)
     params, opt_state = trainer.init()
     meta = {"train": dataclasses.asdict(tc), "blocks": dataclasses.asdict(bc), "draft": draft_config_to_hf(cfg)}
     os.makedirs(f.out, exist_ok=True)
@@ -119,7 +118,7 @@ def run(argv: Sequence[str]) -> int:
 
     def save(step, params, opt_state):
         checkpoint.save(ckpt, (params, opt_state), {**meta, "step": step})
-        draft_model.write_draft_dir(f.out, cfg, draft_model.tensors_from_params(params))
+        draft_model.write_draft_dir(f.out, trained_draft(cfg, params))
         with open(history_path, "w") as out:
             json.dump(history, out, indent=1)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchlib import (add_engine_flags, add_pair_flags, concatenated, engine_settings, load_pair,  # noqa: E402
-                      sampling_settings)
+                      pair_paths, sampling_settings)
 
 
 def configs(budgets: list[int], draft_ctxs: list[int]) -> list[tuple[str, int, int]]:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     draft_ctxs = [int(c) for c in args.draft_ctxs.split(",") if c] or [base.draft_ctx or 0]
     dev = jax.devices()[0]
-    report = {"target": str(target.path), "draft": str(draft.path), "device": getattr(dev, "device_kind", str(dev)),
+    report = {**dict(zip(("target", "draft"), pair_paths(args))), "device": getattr(dev, "device_kind", str(dev)),
               "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
               "date": datetime.date.today().isoformat(), "n_gen": args.n_gen, "topk": base.topk,
               "chain_seed": {None: "auto", True: "on", False: "off"}[base.chain_seed], "kv_type": base.kv_type,

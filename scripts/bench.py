@@ -36,6 +36,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference, read_rate,  # noqa: E402
@@ -80,14 +81,14 @@ def make_models(kind: str, kcfg: KernelConfig, log=print):
         cfg = tiny_target_config(num_layers=4, vocab_size=2048)  # 3 Gated DeltaNet layers, then attention
         target = synthetic.synthetic_target(cfg, kcfg=kcfg, on_tensor=progress)
         draft = synthetic.synthetic_draft(tiny_draft_config(cfg, block_size=16), kcfg=kcfg)
-    jax.block_until_ready((target.params, draft.params))
+    jax.block_until_ready((target, draft))
     # the bytes one decode step streams: every matrix but the embedding table (read by row), in its GGUF size
     specs = tensor_specs(target.config)
     matrices = {n: b for n, b in stored.items() if n != "token_embd.weight" and specs[n].kind != "dense"}
     info = dict(make_s=time.perf_counter() - t0, target_gguf_bytes=sum(stored.values()),
                 step_weight_bytes=sum(matrices.values()),
-                target_device_bytes=synthetic.tree_bytes(target.params),
-                draft_device_bytes=synthetic.tree_bytes(draft.params))
+                target_device_bytes=synthetic.tree_bytes(target),
+                draft_device_bytes=synthetic.tree_bytes(draft))
     return target, draft, info
 
 
@@ -103,8 +104,8 @@ def engine_for(target, draft, ecfg: EngineConfig, forced: bool = False) -> Engin
     engine = Engine.from_loaded(target, None if ecfg.mode == "ar" else draft, ecfg)
     if forced and ecfg.mode != "ar":
         drafter = ForcedDrafter(engine.drafter, target.config.vocab_size)
-        return Engine(target.config, target.params, ecfg, drafter,
-                      {"real": draft.params, "sequence": jnp.zeros(1, jnp.int32), "error_rate": jnp.float32(0)},
+        return Engine(target.config, target, ecfg, drafter,
+                      {"real": draft, "sequence": jnp.zeros(1, jnp.int32), "error_rate": jnp.float32(0)},
                       kcfg=target.kcfg)
     return engine
 
@@ -113,7 +114,7 @@ def forced_params(engine: Engine, draft, prompt_len: int, continuation: list[int
     """ForcedDrafter params: the continuation at its absolute positions (the first token sits at prompt_len)."""
     seq = np.zeros(engine.ecfg.max_ctx + MAX_TREE_NODES, np.int32)
     seq[prompt_len:prompt_len + len(continuation)] = continuation
-    return {"real": draft.params, "sequence": jnp.asarray(seq), "error_rate": jnp.float32(error_rate)}
+    return {"real": draft, "sequence": jnp.asarray(seq), "error_rate": jnp.float32(error_rate)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,14 +163,17 @@ def _step_limit(steps: int):
 def phase_times(engine: Engine, state, iters: int, only_verify: bool = False) -> dict:
     """Each phase of one DDTree/chain step jitted alone, in ms: draft, tree build, verify, accept + commit (the
     target's commit and the drafter's context extend). The state is donated and threaded through."""
-    tcfg, tp, dp, kcfg = engine.tcfg, engine.tparams, engine.dparams, engine.kcfg
+    tcfg, tp, dp, kcfg = engine.tcfg, engine.tweights, engine.dweights, engine.kcfg
     drafter, ecfg = engine.drafter, engine.ecfg
     width = emit_width(ecfg, drafter.block_size)
     taps = drafter.taps
-    draft_fn = jax.jit(lambda dp, ds, tp, root, pos: drafter.propose(dp, ds, tp, root, pos, width - 1))
+    # the weights as the step takes them (engine.tweights, engine.dweights), merged into modules at trace time
+    target_of, draft_of = (lambda w: nnx.merge(engine.tgraph, w)), (lambda w: nnx.merge(engine.dgraph, w))
+    draft_fn = jax.jit(lambda dp, ds, tp, root, pos: drafter.propose(draft_of(dp), ds, target_of(tp), root, pos,
+                                                                     width - 1))
     build_fn = jax.jit(functools.partial(step_tree, ecfg))
-    verify_fn = jax.jit(lambda tp, ts, tokens, parents: target_model.verify(tp, tcfg, ts, tokens, parents, taps,
-                                                                            kcfg), donate_argnums=(1,))
+    verify_fn = jax.jit(lambda tp, ts, tokens, parents: target_model.verify(target_of(tp), tcfg, ts, tokens, parents,
+                                                                            taps, kcfg), donate_argnums=(1,))
 
     def accept_commit(dp, carry, verified, tlogits, tapped, tree):
         ts, ds = carry
@@ -178,7 +182,7 @@ def phase_times(engine: Engine, state, iters: int, only_verify: bool = False) ->
         leaf = jnp.argmax(tree.depths).astype(jnp.int32)  # commit the deepest path: the cost of a long acceptance
         ts = target_model.commit(ts, verified, leaf, kcfg)
         path = target_model.path_nodes(verified.block, leaf, width)
-        ds = drafter.extend(dp, ds, tapped[path], tree.depths[leaf] + 1)
+        ds = drafter.extend(draft_of(dp), ds, tapped[path], tree.depths[leaf] + 1)
         return (ts, ds), accepted
 
     commit_fn = jax.jit(accept_commit, donate_argnums=(1,))
@@ -356,6 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=10, help="calls per phase timing (median)")
     ap.add_argument("--max_ctx", type=int, default=4096)
     ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree steps at")
+    ap.add_argument("--long_phases", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the DDTree step's phases at each long context (each phase compiles alone)")
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree steps here")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
     add_engine_flags(ap)
@@ -410,7 +416,7 @@ def run(args: argparse.Namespace) -> None:
                 engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, _ = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row = dict(context=ctx, mode=mode, state_bytes=synthetic.tree_bytes(state),
-                           **compiled_memory(engine.step, engine.tparams, engine.dparams, state,
+                           **compiled_memory(engine.step, engine.tweights, engine.dweights, state,
                                              engine.stop_array(())))
                 res["compiled_memory"].append(row)
                 log(f"compiled {mode} step at {ctx}: state {row['state_bytes'] / 2**20:.0f} MiB, temporaries "
@@ -463,7 +469,7 @@ def run(args: argparse.Namespace) -> None:
                 engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row[f"{mode}_state_bytes"] = synthetic.tree_bytes(state)
-                if mode == "ddtree":
+                if mode == "ddtree" and args.long_phases:
                     row["phases_ms"] = phase_times(engine, fake_context(state, length), args.iters)
                     state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row[f"{mode}_step_ms"], _ = decode_step_ms(engine, fake_context(state, length), first, args.steps)

@@ -76,14 +76,20 @@ def sampling_settings(args: argparse.Namespace):
                           seed=args.seed)
 
 
+def pair_paths(args: argparse.Namespace) -> tuple[str, str]:
+    """The target's and the drafter's paths of `add_pair_flags`' --target/--draft (default: the shipped pair)."""
+    from dflash_jax import assets
+
+    return args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
+
+
 def load_pair(args: argparse.Namespace, kcfg: KernelConfig):
     """(target, draft, tokenizer) of `add_pair_flags`' --target/--draft (default: the shipped pair), laid out for
     kcfg."""
-    from dflash_jax import assets
     from dflash_jax.load import load_draft, load_target
     from dflash_jax.tokenizer import load_tokenizer
 
-    target_path, draft_path = args.target or assets.DEFAULT_TARGET, args.draft or assets.DEFAULT_DRAFT
+    target_path, draft_path = pair_paths(args)
     target = load_target(target_path, progress=False, kcfg=kcfg)
     return target, load_draft(draft_path, target.config, progress=False, kcfg=kcfg), load_tokenizer(target_path)
 

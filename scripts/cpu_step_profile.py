@@ -39,7 +39,8 @@ PROMPT = "class Stack:\n    def __init__(self):\n"
 BOOKKEEPING = re.compile(r"ThunkExecutor|ThreadPool|Threadpool|^end: ")  # executor events, not ops
 PRODUCT = re.compile(r"^(ynn_fusion|xnn_fusion|onednn|dot)")  # XLA:CPU's names for matrix products, by library
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
-WEIGHT = re.compile(r"%(tparams|dparams)__([\w]+?)__\.?\d*[,)]")
+# a weight parameter of the step, named by its path in the engine's split weights (tweights, dweights)
+WEIGHT = re.compile(r"%(tweights|dweights)__([\w]+?)__\.?\d*[,)]")
 
 
 def instructions(hlo: str) -> dict[str, tuple[list[int], str | None]]:
@@ -50,7 +51,7 @@ def instructions(hlo: str) -> dict[str, tuple[list[int], str | None]]:
         if m and m.group(1) not in out:
             w = WEIGHT.search(line)
             dims = [int(d) for d in m.group(3).split(",") if d]
-            out[m.group(1)] = (dims, f"{w.group(1)[0]}:{w.group(2).replace('___', '.').strip('_')}" if w else None)
+            out[m.group(1)] = (dims, f"{w.group(1)[0]}:{re.sub('_{3,}', '.', w.group(2)).strip('_')}" if w else None)
     return out
 
 
@@ -72,20 +73,20 @@ def profile(engine: Engine, ids: list[int], stop_ids: list[int], steps: int) -> 
     """Wall ms per step and op ms per step, grouped, for one engine."""
     state, _ = engine.start(ids, 4 * steps + 8, stop_ids)
     stops = engine.stop_array(stop_ids)
-    hlo = engine.step.lower(engine.tparams, engine.dparams, state, stops).compile().as_text()
+    hlo = engine.step.lower(engine.tweights, engine.dweights, state, stops).compile().as_text()
     for _ in range(2):
-        state, _ = engine.step(engine.tparams, engine.dparams, state, stops)
+        state, _ = engine.step(engine.tweights, engine.dweights, state, stops)
     jax.block_until_ready(state)
     wall = []
     for _ in range(steps):
         t = time.perf_counter()
-        state, _ = engine.step(engine.tparams, engine.dparams, state, stops)
+        state, _ = engine.step(engine.tweights, engine.dweights, state, stops)
         jax.block_until_ready(state)
         wall.append(time.perf_counter() - t)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
-                state, _ = engine.step(engine.tparams, engine.dparams, state, stops)
+                state, _ = engine.step(engine.tweights, engine.dweights, state, stops)
             jax.block_until_ready(state)
         ops = op_seconds(trace_dir)
     info = instructions(hlo)
@@ -96,7 +97,7 @@ def profile(engine: Engine, ids: list[int], stop_ids: list[int], steps: int) -> 
         if weight is None or not PRODUCT.match(name):
             groups["other ops"] += ms
             continue
-        group = "vocabulary head" if weight.endswith("lm_head") else \
+        group = "vocabulary head" if weight.endswith("lm_head.weight") else \
             ("target products" if weight.startswith("t:") else "drafter products")
         groups[group] += ms
         products[f"{weight} [{','.join(map(str, dims))}]"] += ms

@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchlib import (add_engine_flags, add_pair_flags, engine_settings, environment, first_difference,  # noqa: E402
-                      load_pair, sampling_settings)
+                      load_pair, pair_paths, sampling_settings)
 
 
 def margin(target, prompt: list[int], common: list[int], sp, kv_types: tuple[str, str]) -> dict:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     base, kcfg = engine_settings(args)  # as generate resolves its flags
     target, draft, tok = load_pair(args, kcfg)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    report = {**environment(), "target": str(target.path), "draft": str(draft.path), "n_gen": args.n_gen,
+    report = {**environment(), **dict(zip(("target", "draft"), pair_paths(args))), "n_gen": args.n_gen,
               "sampling": dataclasses.asdict(sp), "kernels": dataclasses.asdict(kcfg), "kv_type": base.kv_type,
               "command": " ".join(["scripts/exactness.py", *(argv if argv is not None else sys.argv[1:])]),
               "sets": {}}

@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     target = load_target(assets.DEFAULT_TARGET, progress=False, kcfg=resolve_kernels())
     draft = load_draft(assets.DEFAULT_DRAFT, target.config, progress=False, kcfg=target.kcfg)
     model = GGUFModel(assets.DEFAULT_TARGET)  # the matrices as stored (QTensors), before prepare_matrices
-    stored_params = T.params_from_tensors(model.config, {n: jax.tree.map(jnp.asarray, model.load(n))
-                                                         for n in model.tensors})
+    stored = T.target_from_tensors(model.config, {n: jax.tree.map(jnp.asarray, model.load(n)) for n in model.tensors})
     tok = load_tokenizer(assets.DEFAULT_TARGET)
     engine = Engine.from_loaded(target, draft, resolve_engine("ddtree", budget=22, max_ctx=256))
     state, _ = engine.start(tok.encode("class Stack:\n    def __init__(self):\n"), 64, tok.stop_ids)
@@ -49,18 +48,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:>40}: {ms[name]:7.2f} ms", flush=True)
 
     taps = engine.drafter.taps
-    for label, params in (("stored", stored_params), ("prepared", target.params)):
+    for label, params in (("stored", stored), ("prepared", target)):
         part(f"AR step, matrices {label}", lambda s, t, p: T.verify(p, target.config, s, t, jnp.full(1, -1, jnp.int32),
                                                                     taps, target.kcfg)[0],
              state.target, state.root[None], params)
-    part("drafter block, 15 rows of head", lambda s, r, p: engine.drafter.propose(draft.params, s, target.params, r,
+    part("drafter block, 15 rows of head", lambda s, r, p: engine.drafter.propose(draft, s, target, r,
                                                                                   p, 15),
          state.draft, state.root, state.target.length)
-    logits = engine.drafter.propose(draft.params, state.draft, target.params, state.root, state.target.length, 15)
+    logits = engine.drafter.propose(draft, state.draft, target, state.root, state.target.length, 15)
     part("build_tree 22", lambda r, x: tree_lib.build_tree(r, x, 22, 8, True), state.root, logits)
     nodes = tree_lib.build_tree(state.root, logits, 22, 8, True)
     for n in (1, 5, 16, 23):
-        part(f"verify {n} nodes", lambda s, t, pa: T.verify(target.params, target.config, s, t, pa, taps,
+        part(f"verify {n} nodes", lambda s, t, pa: T.verify(target, target.config, s, t, pa, taps,
                                                             target.kcfg)[0],
              state.target, nodes.tokens[:n], nodes.parents[:n])
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,7 @@ def target_stage(out: Path, args) -> None:
     write_gguf(out / "target.gguf", tensors_to_write(params, cfg), cfg,
                metadata=gguf_metadata(vocab["tokens"], vocab["merges"], CHATML),
                name=f"dflash-jax tiny code target (seed {args.seed})")
-    engine = Engine(cfg, to_engine(params), EngineConfig(mode="ar", max_ctx=256))
+    engine = Engine(cfg, to_engine(params, cfg), EngineConfig(mode="ar", max_ctx=256))
     completions = {p: tok.decode(engine.generate(tok.encode(p), 48, tok.stop_ids).tokens) for p in PROMPTS}
     report = {"held_out": evaluation, "history": history, "completions": completions,
               "gguf_bytes": os.path.getsize(out / "target.gguf"), "backend": jax.default_backend()}
@@ -207,7 +207,7 @@ def draft_stage(out: Path, args) -> None:
     from dflash_jax.load import load_target
     from dflash_jax.models import draft as draft_model
     from dflash_jax.tokenizer import load_tokenizer
-    from dflash_jax.training.draft_trainer import BlockConfig, draft_config_for, draft_trainer
+    from dflash_jax.training.draft_trainer import BlockConfig, draft_config_for, draft_trainer, trained_draft
     from dflash_jax.training.loop import TrainConfig
 
     target = load_target(out / "target.gguf", progress=False)  # the reference kernels
@@ -216,12 +216,12 @@ def draft_stage(out: Path, args) -> None:
     tc = TrainConfig(steps=args.draft_steps, batch=args.batch, seq_len=args.seq_len, lr=args.draft_lr, warmup=0.04,
                      seed=args.seed)
     bc = BlockConfig(anchors=args.anchors, gamma=7.0 * args.block_size / 16)
-    trained = train_resumable(out, "draft", draft_trainer(cfg, target.config, target.params, tc, bc),
+    trained = train_resumable(out, "draft", draft_trainer(cfg, target, tc, bc),
                               {"blocks": bc.__dict__, "draft": draft_config_to_hf(cfg)}, args)
     if trained is None:
         return
     params, history, evaluation = trained
-    draft_model.write_draft_dir(out / "draft", cfg, draft_model.tensors_from_params(params))
+    draft_model.write_draft_dir(out / "draft", trained_draft(cfg, params))
     size = os.path.getsize(out / "draft" / "model.safetensors")
     report = {"held_out": evaluation, "history": history, "safetensors_bytes": size,
               "backend": jax.default_backend()}

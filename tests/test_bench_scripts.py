@@ -158,11 +158,12 @@ def test_cpu_step_profile_finds_a_product_and_its_weight(tmp_path):
     of XLA:CPU's threads are found and the product's instruction names the weight it reads."""
     import jax
     import jax.numpy as jnp
-
     import cpu_step_profile as csp
+    from dflash_jax.engine.prefill import split_weights
+    from dflash_jax.models.layers import MLP
 
-    params = {"layers": [{"w_up": jnp.ones((64, 32), jnp.float32)}]}
-    f = jax.jit(lambda tparams, x: jnp.einsum("mi,oi->mo", x, tparams["layers"][0]["w_up"]))
+    _, params = split_weights(MLP(*(jnp.ones(shape, jnp.float32) for shape in ((64, 32), (64, 32), (32, 64)))))
+    f = jax.jit(lambda tweights, x: jnp.einsum("mi,oi->mo", x, tweights["up_proj"]["weight"]))
     x = jnp.ones((3, 32), jnp.float32)
     f(params, x).block_until_ready()
     with jax.profiler.trace(str(tmp_path)):
@@ -172,7 +173,7 @@ def test_cpu_step_profile_finds_a_product_and_its_weight(tmp_path):
     info = csp.instructions(f.lower(params, x).compile().as_text())
     products = [(name, info[name]) for name in ops if csp.PRODUCT.match(name) and name in info]
     assert products and all(s > 0 for s in ops.values())
-    assert [dims_weight for _, dims_weight in products] == [([3, 64], "t:layers.0.w_up")]
+    assert [dims_weight for _, dims_weight in products] == [([3, 64], "t:up_proj.weight")]
 
 
 def test_gpu_step_profile_counts_busy_time_as_the_union_of_kernels():
@@ -364,3 +365,7 @@ def test_bench_long_with_a_block_kv_type(tmp_path):
     row, = res["long"]
     assert res["engine"]["kv_type"] == "q4_0" and row["context"] == 300
     assert row["ar_step_ms"] > 0 and row["ddtree_step_ms"] > 0 and row["phases_ms"]["verify"] > 0
+    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "long", "--long", "300", "--max_ctx", "256",
+                       "--prompt_len", "16", "--steps", "2", "--impl", "reference", "--no-long_phases"])
+    row, = json.loads(out.read_text())["long"]
+    assert row["ddtree_step_ms"] > 0 and row["budget"] == 8 and "phases_ms" not in row  # a CPU's budget

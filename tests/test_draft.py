@@ -39,10 +39,10 @@ def test_drafter_matches_z_lab_reference_with_its_context_cache(target, name, im
     for prefix in ("", "step2_"):  # the second call only appends the 3 newly committed tokens
         hidden = ref[prefix + "target_hidden"]
         taps = jnp.asarray(hidden).reshape(len(hidden), len(cfg.target_layer_ids), -1)
-        state = extend(draft.params, cfg, state, taps, jnp.int32(len(hidden)))
+        state = extend(draft, cfg, state, taps, jnp.int32(len(hidden)))
         block = ref[prefix + "block_ids"]
         assert list(block[1:]) == [cfg.mask_token_id] * (cfg.block_size - 1)
-        h, logits = propose(draft.params, cfg, state, target.params, jnp.int32(block[0]), kcfg=kcfg)
+        h, logits = propose(draft, cfg, state, target, jnp.int32(block[0]), kcfg=kcfg)
         assert rel(h, ref[prefix + "draft_hidden"]) < tol
         assert rel(logits, ref[prefix + "draft_logits"]) < tol
     assert int(state.length) == 23
@@ -51,7 +51,7 @@ def test_drafter_matches_z_lab_reference_with_its_context_cache(target, name, im
 def test_target_taps_are_the_reference_context_features(target):
     """The features the reference drafter was fed are the outputs of the fixture target's layers 1 and 5."""
     ref = np.load(TINY / "draft-full" / "ref.npz")
-    _, taps, _ = prefill(target.params, target.config, init_state(target.config, 64), ref["prompt_ids"], taps=(1, 5))
+    _, taps, _ = prefill(target, target.config, init_state(target.config, 64), ref["prompt_ids"], taps=(1, 5))
     assert rel(np.asarray(taps).reshape(len(taps), -1), ref["target_hidden"]) < 1e-4
 
 
@@ -84,3 +84,32 @@ def test_drafter_file_path_and_missing_paths(target, tmp_path):
     assert draft.config.sliding_window == 12
     with pytest.raises(LoadError, match="no such file"):
         load_draft(tmp_path / "nothing", target.config, progress=False)
+
+
+def test_loaded_models_are_nnx_modules_whose_paths_are_the_tensor_names(target, tiny_gguf_path):
+    """load_target and load_draft return Flax NNX modules; a weight's path in the module is its HF / z-lab name, and
+    the modules give back every tensor they were built from (target_tensors, draft_tensors)."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from dflash_jax.gguf import GGUFModel
+    from dflash_jax.models.target import GatedAttention, GatedDeltaNet, target_tensors
+    from dflash_jax.quant import dequantize
+
+    draft = load_draft(TINY / "draft-swa", target.config, progress=False)
+    assert isinstance(target, nnx.Module) and isinstance(draft, nnx.Module)
+    cfg = target.config
+    assert [type(layer.self_attn if t == "full_attention" else layer.linear_attn) for t, layer in
+            zip(cfg.layer_types, target.layers)] == [GatedAttention if t == "full_attention" else GatedDeltaNet
+                                                    for t in cfg.layer_types]
+    gguf = GGUFModel(tiny_gguf_path)
+    i = cfg.full_attention_layers[0]
+    np.testing.assert_array_equal(target.layers[i].self_attn.q_proj.weight.get_value(),
+                                  dequantize(gguf.load(f"blk.{i}.attn_q.weight")))  # reference: dequantized at load
+    names = {n for n in gguf.tensors if not (n.startswith("blk.") and int(n.split(".")[1]) >= cfg.num_layers)}
+    assert set(target_tensors(target)) == names | {"output.weight"}
+    stored = load_file(str(TINY / "draft-swa" / "model.safetensors"))
+    tensors = D.draft_tensors(draft)
+    assert set(tensors) == {n.removeprefix("model.") for n in stored}
+    for name, x in stored.items():
+        np.testing.assert_array_equal(tensors[name.removeprefix("model.")], np.asarray(x, np.float32), err_msg=name)

@@ -15,7 +15,7 @@ from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.state import PAGE, rewind
 from dflash_jax.engine.step import DFlashDrafter
 from dflash_jax.models import draft as D
-from dflash_jax.testing.tiny import random_draft_tensors, tiny_draft_config
+from dflash_jax.testing.tiny import random_draft, tiny_draft_config
 from test_engine import TCFG, tparams  # noqa: F401 (fixture)
 
 # two sliding layers around a full one: the groups' layers are not contiguous
@@ -30,7 +30,7 @@ propose = jax.jit(D.propose, static_argnums=(1,), static_argnames=("kcfg",))
 
 @pytest.fixture(scope="module")
 def dparams():
-    return jax.tree.map(jnp.asarray, D.params_from_tensors(DCFG, random_draft_tensors(DCFG, seed=3)))
+    return random_draft(DCFG, seed=3)
 
 
 def linear(state: D.DraftState, slots: int = SLOTS) -> D.DraftState:
@@ -183,19 +183,18 @@ def test_a_snapshot_of_rings_restores_them_and_pages_only_their_slots(engines):
     assert engine.decode(state, token, 8).tokens == ar.generate(np.concatenate([ids, tail]), 8).tokens
 
 
-def test_a_ring_is_written_in_place():
+def test_a_ring_is_written_in_place(tparams):
     """The context extension's compiled call aliases a ring state whole (both copies of each row go in by one scatter
     into the donated cache), with temporaries well below it."""
-    from dflash_jax.engine import generate as engine_module
     from dflash_jax.testing.synthetic import tree_bytes
 
     cfg = tiny_draft_config(TCFG, ("full_attention",) * 4, block_size=8, taps=(0, 2))
     cfg = dataclasses.replace(cfg, num_heads=4, num_kv_heads=4, head_dim=128)
-    drafter = DFlashDrafter(cfg)
-    state = drafter.init_state(8192, ("f32", "f32"), 1024)
+    engine = Engine(TCFG, tparams, EngineConfig(mode="ddtree", max_ctx=8192, draft_ctx=1024), DFlashDrafter(cfg),
+                    random_draft(cfg, seed=3))
+    state = engine.drafter.init_state(8192, ("f32", "f32"), 1024)
     assert state.rings == (True,) and state.k[0].shape[1] == 2048
-    params = jax.tree.map(jnp.asarray, D.params_from_tensors(cfg, random_draft_tensors(cfg, seed=3)))
-    memory = engine_module._extend.lower(drafter, params, state, jnp.zeros((64, 2, cfg.hidden_size)),
-                                         jnp.int32(64)).compile().memory_analysis()
+    memory = engine.extend.lower(engine.dweights, state, jnp.zeros((64, 2, cfg.hidden_size)),
+                                 jnp.int32(64)).compile().memory_analysis()
     assert memory.alias_size_in_bytes == tree_bytes(state)
     assert memory.temp_size_in_bytes < 0.5 * tree_bytes(state), (memory.temp_size_in_bytes, tree_bytes(state))

@@ -6,18 +6,16 @@ import numpy as np
 import pytest
 
 from dflash_jax.config import MAX_TREE_NODES, ConfigError, EngineConfig, KernelConfig
-from dflash_jax.engine import generate as engine_module
 from dflash_jax.engine import prefill as prefill_module
 from dflash_jax.engine.generate import Engine
-from dflash_jax.engine.prefill import InputError
+from dflash_jax.engine.prefill import InputError, split_weights
 from dflash_jax.engine.state import DecodeState, rewind
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, make_step
 from dflash_jax.kernels import REFERENCE
-from dflash_jax.models import draft as draft_model
-from dflash_jax.models.target import init_state, params_from_tensors
+from dflash_jax.models.target import init_state
 from dflash_jax.testing.oracle import OracleDrafter
 from dflash_jax.testing.synthetic import tree_bytes
-from dflash_jax.testing.tiny import random_draft_tensors, random_gguf_tensors, tiny_draft_config, tiny_target_config
+from dflash_jax.testing.tiny import random_draft, random_target, tiny_draft_config, tiny_target_config
 
 SHAPES = dict(interval=2, vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,
               head_dim=32, rope_dim=8, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_value_heads=4)
@@ -29,7 +27,7 @@ STOP = 7  # a stop token for the stop tests
 
 @pytest.fixture(scope="module")
 def tparams():
-    return jax.tree.map(jnp.asarray, params_from_tensors(TCFG, random_gguf_tensors(TCFG, seed=4)))
+    return random_target(TCFG, seed=4)
 
 
 def prompt(seed):
@@ -96,8 +94,7 @@ def random_drafters():
     for name, types, window in [("full", ("full_attention", "full_attention"), None),
                                 ("swa", ("sliding_attention", "full_attention"), 5)]:
         dcfg = tiny_draft_config(TCFG, types, block_size=BLOCK, sliding_window=window, taps=(0, 2))
-        out[name] = (DFlashDrafter(dcfg), jax.tree.map(jnp.asarray, draft_model.params_from_tensors(
-            dcfg, random_draft_tensors(dcfg, seed=3))))
+        out[name] = (DFlashDrafter(dcfg), random_draft(dcfg, seed=3))
     return out
 
 
@@ -126,7 +123,7 @@ def test_one_compilation_per_mode_for_any_prompt_length(tparams, greedy, mode):
     for seed in range(1, 8):  # prompt lengths 3, 17, 64, 90 and every acceptance pattern
         run_oracle(engine, seed, greedy[seed])
     assert len(compiles) == before, compiles[before:]
-    assert engine.step._cache_size() == 1 and prefill_module._prefill_chunk._cache_size() >= 1
+    assert engine.step._cache_size() == 1 and engine.tsplit.chunk._cache_size() >= 1
 
 
 def test_stop_token_and_n_gen_cut_a_commit_mid_path(tparams, greedy):
@@ -221,7 +218,7 @@ def test_a_step_after_done_emits_nothing_and_leaves_the_state(tparams, random_dr
     assert bool(state.done)
     state_copy = jax.tree.map(jnp.copy, state)  # the step consumes (donates) its state
     before = committed(state)
-    after, out = engine.step(engine.tparams, engine.dparams, state, engine.stop_array(()))
+    after, out = engine.step(engine.tweights, engine.dweights, state, engine.stop_array(()))
     assert int(out.count) == 0 and not np.any(np.asarray(out.tokens))
     jax.tree.map(np.testing.assert_array_equal, committed(after), before)
     turn = engine.generate(prompt(2), 6, after=after)  # and the chat goes on as if that step had not run
@@ -249,10 +246,10 @@ def test_the_step_updates_its_donated_state_in_place(mode):
     state = DecodeState(target=init_state(cfg, max_ctx + MAX_TREE_NODES),
                         draft=drafter.init_state(max_ctx, ("f32", "f32"), None) if drafter else None,
                         root=jnp.int32(1), remaining=jnp.int32(10), done=jnp.bool_(False))
-    tparams = jax.tree.map(jnp.asarray, params_from_tensors(cfg, random_gguf_tensors(cfg, seed=4)))
-    dparams = jax.tree.map(jnp.asarray, draft_model.params_from_tensors(dcfg, random_draft_tensors(dcfg, seed=3)))
-    step = make_step(cfg, drafter, EngineConfig(mode=mode, budget=22, max_ctx=max_ctx))
-    memory = step.lower(tparams, dparams if drafter else None, state,
+    (tgraph, tweights), (dgraph, dweights) = split_weights(random_target(cfg, seed=4)), split_weights(
+        random_draft(dcfg, seed=3) if drafter else None)
+    step = make_step(cfg, drafter, EngineConfig(mode=mode, budget=22, max_ctx=max_ctx), tgraph, dgraph)
+    memory = step.lower(tweights, dweights, state,
                         jnp.full(MAX_STOP_IDS, -1, jnp.int32)).compile().memory_analysis()
     assert memory.alias_size_in_bytes == tree_bytes(state)
     assert memory.temp_size_in_bytes < 0.5 * tree_bytes(state), (memory.temp_size_in_bytes, tree_bytes(state))
@@ -266,14 +263,14 @@ def test_prefill_and_the_drafter_context_update_their_donated_state_in_place():
     cfg = tiny_target_config(num_layers=8, **{**SHAPES, "num_heads": 4, "num_kv_heads": 4, "head_dim": 128})
     dcfg = tiny_draft_config(cfg, ("full_attention",) * 4, block_size=BLOCK, taps=(0, 2))
     drafter, max_ctx = DFlashDrafter(dcfg), 4096
-    tparams = jax.tree.map(jnp.asarray, params_from_tensors(cfg, random_gguf_tensors(cfg, seed=4)))
-    dparams = jax.tree.map(jnp.asarray, draft_model.params_from_tensors(dcfg, random_draft_tensors(dcfg, seed=3)))
+    engine = Engine(cfg, random_target(cfg, seed=4), EngineConfig(mode="ddtree", max_ctx=max_ctx), drafter,
+                    random_draft(dcfg, seed=3))
     tstate, dstate = init_state(cfg, max_ctx), drafter.init_state(max_ctx, ("f32", "f32"), None)
     chunk = prefill_module.DEFAULT_CHUNK
-    calls = [(prefill_module._prefill_chunk, (tparams, cfg, tstate, jnp.zeros(chunk, jnp.int32), jnp.int32(chunk),
-                                              drafter.taps, False), tstate),
-             (engine_module._extend, (drafter, dparams, dstate, jnp.zeros((chunk, 2, cfg.hidden_size)),
-                                      jnp.int32(chunk)), dstate)]
+    calls = [(engine.tsplit.chunk, (engine.tweights, cfg, tstate, jnp.zeros(chunk, jnp.int32), jnp.int32(chunk),
+                                    drafter.taps, False), tstate),
+             (engine.extend, (engine.dweights, dstate, jnp.zeros((chunk, 2, cfg.hidden_size)), jnp.int32(chunk)),
+              dstate)]
     for fn, args, state in calls:
         memory = fn.lower(*args).compile().memory_analysis()
         assert memory.alias_size_in_bytes == tree_bytes(state)

@@ -60,7 +60,7 @@ def test_prefill_and_decode_match_transformers(reference, source, tmp_path):
         write_hf_as_gguf(tmp_path / "m.gguf", weights, cfg, types=uniform_rule(GT.F32))
         model = load_target(tmp_path / "m.gguf", progress=False)
     assert model.config == cfg
-    params = model.params
+    params = model
     state = init_state(cfg, slots=PROMPT + DECODE)
     (_, logits, _, state), = prefill_chunks(params, cfg, state, seq[:PROMPT], chunk=PROMPT, all_logits=True)
     got = [np.asarray(logits)]

@@ -14,15 +14,15 @@ from conftest import TINY, TINY_GGUF
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import KV_TYPES, MAX_TREE_NODES, EngineConfig, KernelConfig
 from dflash_jax.engine.generate import Engine
-from dflash_jax.engine.prefill import prefill
+from dflash_jax.engine.prefill import prefill, split_weights
 from dflash_jax.engine.state import DecodeState
 from dflash_jax.engine.step import MAX_STOP_IDS, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.load import load_draft, load_target
-from dflash_jax.models.target import init_state, params_from_tensors
+from dflash_jax.models.target import init_state
 from dflash_jax.testing.oracle import OracleDrafter
 from dflash_jax.testing.synthetic import tree_bytes
-from dflash_jax.testing.tiny import random_gguf_tensors, tiny_target_config
+from dflash_jax.testing.tiny import random_target, tiny_target_config
 
 N_GEN, MAX_CTX = 16, 128
 CFG = tiny_target_config(num_layers=4, interval=2, vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -52,7 +52,7 @@ def test_q8_0_decodes_what_bf16_decodes_on_the_fixture_pair(pair, bf16_greedy, m
 
 @pytest.fixture(scope="module")
 def params():
-    return jax.tree.map(jnp.asarray, params_from_tensors(CFG, random_gguf_tensors(CFG, seed=4)))
+    return random_target(CFG, seed=4)
 
 
 def prompt(seed):
@@ -172,12 +172,13 @@ def test_the_gpu_step_lowers_with_a_block_type(params, mode, kv_type):
     GPU, its attention on the tree-attention kernel (no refusal, no fallback to the reference)."""
     max_ctx = 256
     drafter = OracleDrafter(8, CFG.vocab_size, 0.25) if mode != "ar" else None
-    dparams = {"sequence": jnp.zeros(max_ctx, jnp.int32)} if drafter else None
+    (tgraph, tweights), (dgraph, dweights) = split_weights(params), split_weights(
+        {"sequence": jnp.zeros(max_ctx, jnp.int32)} if drafter else None)
     state = DecodeState(target=init_state(CFG, max_ctx + MAX_TREE_NODES, kv_type), draft=None,
                         root=jnp.int32(1), remaining=jnp.int32(10), done=jnp.bool_(False))
-    step = make_step(CFG, drafter, EngineConfig(mode=mode, budget=8, max_ctx=max_ctx, kv_type=kv_type),
-                     KernelConfig(impl="pallas"))
-    hlo = step.trace(params, dparams, state, jnp.full(MAX_STOP_IDS, -1, jnp.int32)).lower(
+    step = make_step(CFG, drafter, EngineConfig(mode=mode, budget=8, max_ctx=max_ctx, kv_type=kv_type), tgraph,
+                     dgraph, KernelConfig(impl="pallas"))
+    hlo = step.trace(tweights, dweights, state, jnp.full(MAX_STOP_IDS, -1, jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert 'name = "tree_attention"' in hlo
 
@@ -189,13 +190,15 @@ def test_the_step_writes_a_quantized_cache_in_place(params, mode):
     dequantized layer): no copy of the blocks."""
     max_ctx = 4096
     drafter = OracleDrafter(8, CFG.vocab_size, 0.25) if mode != "ar" else None
-    dparams = {"sequence": jnp.zeros(max_ctx, jnp.int32)} if drafter else None
+    (tgraph, tweights), (dgraph, dweights) = split_weights(params), split_weights(
+        {"sequence": jnp.zeros(max_ctx, jnp.int32)} if drafter else None)
     memory = {}
     for kv_type in ("q4_0", "f32"):
         state = DecodeState(target=init_state(CFG, max_ctx + MAX_TREE_NODES, kv_type), draft=None,
                             root=jnp.int32(1), remaining=jnp.int32(10), done=jnp.bool_(False))
-        step = make_step(CFG, drafter, EngineConfig(mode=mode, budget=22, max_ctx=max_ctx, kv_type=kv_type))
-        memory[kv_type] = step.lower(params, dparams, state,
+        step = make_step(CFG, drafter, EngineConfig(mode=mode, budget=22, max_ctx=max_ctx, kv_type=kv_type), tgraph,
+                         dgraph)
+        memory[kv_type] = step.lower(tweights, dweights, state,
                                      jnp.full(MAX_STOP_IDS, -1, jnp.int32)).compile().memory_analysis()
         assert memory[kv_type].alias_size_in_bytes == tree_bytes(state), kv_type
     assert memory["q4_0"].temp_size_in_bytes < 1.01 * memory["f32"].temp_size_in_bytes

@@ -39,7 +39,7 @@ def leaves(params):
 
 
 def last_logits(model, ids):
-    logits, _, _ = prefill(model.params, model.config, init_state(model.config, 64), ids)
+    logits, _, _ = prefill(model, model.config, init_state(model.config, 64), ids)
     return np.asarray(logits)
 
 
@@ -48,16 +48,17 @@ def test_bf16_directory_keeps_bf16_matrices_and_matches_f32_of_the_same_values(w
     write_hf_dir(tmp_path / "bf16", CFG, weights, dtype=ml_dtypes.bfloat16)
     write_hf_dir(tmp_path / "f32", CFG, rounded)
     bf16, f32 = load_target(tmp_path / "bf16", progress=False), load_target(tmp_path / "f32", progress=False)
-    wq = bf16.params["layers"][1]["wq"]
+    wq = bf16.layers[1].self_attn.q_proj.weight.get_value()
     if bf16.kcfg.impl == "pallas":  # kept in the stored precision for XLA's product
         assert isinstance(wq, QTensor) and wq.fmt == "BF16" and wq.data["w"].dtype == jnp.bfloat16
     else:  # a small model on the reference path: widened once at load (kernels.prepare_matrices)
         assert wq.dtype == jnp.float32
         pallas = KernelConfig(impl="pallas", interpret=True)
-        stored = load_target(tmp_path / "bf16", progress=False, kcfg=pallas).params["layers"][1]["wq"]
+        stored = load_target(tmp_path / "bf16", progress=False, kcfg=pallas).layers[1].self_attn.q_proj.weight
+        stored = stored.get_value()
         assert stored.fmt == "BF16" and stored.data["w"].dtype == jnp.bfloat16
         np.testing.assert_array_equal(wq, np.asarray(stored.data["w"], np.float32))
-    assert bf16.params["layers"][0]["attn_norm"].dtype == jnp.float32  # norms (+1 folded in) stay float32
+    assert bf16.layers[0].input_layernorm.weight.get_value().dtype == jnp.float32  # norms (+1 folded in) stay float32
     ids = np.arange(1, 40) % CFG.vocab_size
     # the same float32 arithmetic on the same values (a GPU may fuse the bf16 widening differently: last-ulp noise)
     np.testing.assert_allclose(last_logits(bf16, ids), last_logits(f32, ids), rtol=1e-5, atol=1e-6)
@@ -68,7 +69,7 @@ def test_vlm_directory_loads_its_language_model(weights, tmp_path):
     write_hf_dir(tmp_path / "vlm", CFG, weights, vlm=True)
     lm, vlm = load_target(tmp_path / "lm", progress=False), load_target(tmp_path / "vlm", progress=False)
     assert vlm.config == lm.config == CFG
-    for a, b in zip(leaves(lm.params), leaves(vlm.params), strict=True):
+    for a, b in zip(leaves(lm), leaves(vlm), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -83,8 +84,8 @@ def test_sharded_directory_with_an_index(weights, tmp_path):
         save_file({n: weights[n] for n in part}, str(shard / file))
     weight_map = {n: f for f, part in halves.items() for n in part}
     (shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    for a, b in zip(leaves(load_target(tmp_path / "one", progress=False).params),
-                    leaves(load_target(shard, progress=False).params), strict=True):
+    for a, b in zip(leaves(load_target(tmp_path / "one", progress=False)),
+                    leaves(load_target(shard, progress=False)), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -92,8 +93,7 @@ def test_gguf_load_drops_the_mtp_block(tmp_path):
     cfg = dataclasses.replace(CFG, num_mtp_layers=1)
     write_hf_as_gguf(tmp_path / "mtp.gguf", random_hf_state_dict(cfg, seed=2, mtp=True), cfg)
     model = load_target(tmp_path / "mtp.gguf", progress=False)
-    assert model.config.num_mtp_layers == 1 and len(model.params["layers"]) == cfg.num_layers
-    assert model.gguf is not None
+    assert model.config.num_mtp_layers == 1 and len(model.layers) == cfg.num_layers
 
 
 def _bad_dir(tmp_path, weights, edit):
@@ -140,7 +140,7 @@ def small(weights, tmp_path_factory):
 
 
 def test_bad_prompts_raise_and_leave_the_state_alone(small):
-    cfg, params = small.config, small.params
+    cfg, params = small.config, small
     _, _, state = prefill(params, cfg, init_state(cfg, 40), np.arange(10))
     before = leaves(state)
     for ids, message in [([1, 2, cfg.vocab_size], "outside the vocabulary"), ([3, -1], "outside the vocabulary"),
@@ -156,7 +156,7 @@ def test_bad_prompts_raise_and_leave_the_state_alone(small):
 
 def test_padded_last_chunk_at_the_end_of_the_cache_keeps_committed_keys(small):
     """70 tokens in chunks of 64 into 70 slots: the last chunk's padding falls past the cache and is dropped."""
-    cfg, params = small.config, small.params
+    cfg, params = small.config, small
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 70)
     full = [np.asarray(lg) for _, lg, _, _ in prefill_chunks(params, cfg, init_state(cfg, 128), ids,
                                                                all_logits=True)]
@@ -166,7 +166,7 @@ def test_padded_last_chunk_at_the_end_of_the_cache_keeps_committed_keys(small):
 
 
 def test_prefill_returns_taps_of_every_prompt_token(small):
-    cfg, params = small.config, small.params
+    cfg, params = small.config, small
     ids = np.arange(5, 75)
     logits, taps, _ = prefill(params, cfg, init_state(cfg, 80), ids, taps=(0, 2))
     assert logits.shape == (cfg.vocab_size,) and taps.shape == (70, 2, cfg.hidden_size)
@@ -221,14 +221,13 @@ def test_reference_matrices_are_dequantized_once_when_they_fit(tiny_gguf_path):
     from dflash_jax.quant import dequantize
 
     from dflash_jax.gguf import GGUFModel
-    from dflash_jax.models.target import params_from_tensors
 
     model = GGUFModel(tiny_gguf_path)
-    stored = params_from_tensors(model.config, {n: jax.tree.map(jnp.asarray, model.load(n)) for n in model.tensors})
-    dense = prepare_matrices(stored, REFERENCE, skip=("embed",))
-    assert isinstance(dense["embed"], QTensor) and not any(
-        isinstance(x, QTensor) for x in jax.tree.leaves(dense["layers"], is_leaf=lambda x: isinstance(x, QTensor)))
-    wq, qt = dense["layers"][3]["wq"], stored["layers"][3]["wq"]
+    stored = {n: jax.tree.map(jnp.asarray, model.load(n)) for n in model.tensors}
+    dense = prepare_matrices(stored, REFERENCE, skip=("token_embd.weight",))
+    assert isinstance(dense.pop("token_embd.weight"), QTensor) and not any(
+        isinstance(x, QTensor) for x in jax.tree.leaves(dense, is_leaf=lambda x: isinstance(x, QTensor)))
+    wq, qt = dense["blk.3.attn_q.weight"], stored["blk.3.attn_q.weight"]
     np.testing.assert_array_equal(wq, dequantize(qt))
     assert prepare_matrices(stored, REFERENCE, dense_limit=1000) is stored
 

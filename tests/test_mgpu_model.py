@@ -36,7 +36,7 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def targets():
     """(Mosaic, Triton) targets' parameters over the same random weights."""
-    return tuple(synthetic.synthetic_target(CFG, kcfg=kcfg).params for kcfg in (MOSAIC, TRITON))
+    return tuple(synthetic.synthetic_target(CFG, kcfg=kcfg) for kcfg in (MOSAIC, TRITON))
 
 
 def _weights(params):
@@ -85,7 +85,7 @@ def test_drafter_proposals_through_the_head(targets):
     """The drafter's logits for a DDTree's 15 depths, read out through the target's Q6_K head on each kernel."""
     cfg = dataclasses.replace(load_draft_config(synthetic.DRAFT_27B), num_layers=1, layer_types=(FULL_ATTENTION,))
     drafter = DFlashDrafter(cfg, TRITON)  # its bf16 matrices on XLA: the same product under either target's layout
-    params = synthetic.synthetic_draft(cfg, kcfg=TRITON).params
+    params = synthetic.synthetic_draft(cfg, kcfg=TRITON)
     taps = jax.random.normal(jax.random.key(1), (64, len(cfg.target_layer_ids), cfg.hidden_size), jnp.float32)
     state = jax.jit(drafter.extend)(params, drafter.init_state(128, ("f32", "f32"), None), taps, jnp.int32(64))
     propose = jax.jit(drafter.propose, static_argnums=(5,))

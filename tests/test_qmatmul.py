@@ -315,7 +315,7 @@ def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path, mgpu):
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
     kcfg = KernelConfig(impl="pallas", interpret=device_class() == "cpu", mgpu=mgpu)
     model = load_target(tiny_gguf_path, progress=False, kcfg=kcfg)
-    packed = [x for x in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, qm.PackedWeight))
+    packed = [x for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, qm.PackedWeight))
               if isinstance(x, qm.PackedWeight)]
     assert packed and any(p.mgpu is not None for p in packed) == (mgpu != "off")
     if mgpu != "off":
@@ -323,7 +323,7 @@ def test_fixture_model_with_pallas_matches_hf(tiny_gguf_path, mgpu):
     refs = np.load(TINY / "ref.npz")
     ids = np.load(TINY / "tokens.npy")
     logits = np.concatenate([np.asarray(lg) for _, lg, _, _ in prefill_chunks(
-        model.params, model.config, init_state(model.config, 160), ids, all_logits=True, kcfg=model.kcfg)])
+        model, model.config, init_state(model.config, 160), ids, all_logits=True, kcfg=model.kcfg)])
     # float16 x and tiles (f16x2, the Q4_K/Q6_K default) and bf16 elsewhere against a float32 reference: 3.2e-3
     # measured, 1.0e-2 with the float32-then-bf16 tiles (scripts/results/tile_math_accuracy_cpu.txt)
     assert rel(logits, refs["hf_q_logits"]) < 8e-3

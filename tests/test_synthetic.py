@@ -51,9 +51,10 @@ def test_random_matrices_have_entries_of_about_one_over_sqrt_in(fmt):
 
 def test_the_synthetic_pair_decodes_and_is_seeded(pair):
     target, draft, _ = pair
-    norms = [layer["attn_norm"] for layer in target.params["layers"]]
+    norms = [layer.input_layernorm.weight.get_value() for layer in target.layers]
     assert all(bool(jnp.all(jnp.abs(n - 1.0) < 1.0)) for n in norms)
-    assert all(bool(jnp.all(layer["ssm_a"] < 0)) for layer in target.params["layers"] if "ssm_a" in layer)
+    assert all(bool(jnp.all(layer.linear_attn.A.get_value() < 0)) for layer in target.layers
+               if hasattr(layer, "linear_attn"))
     ecfg = EngineConfig(mode="ar", max_ctx=128)
     ar = Engine.from_loaded(target, None, ecfg).generate(list(range(1, 20)), 12)
     again = synthetic.synthetic_target(CFG)
@@ -70,12 +71,12 @@ def test_forced_drafter_sets_the_acceptance_without_recompiling(pair):
     ar = Engine.from_loaded(target, None, EngineConfig(mode="ar", max_ctx=128)).generate(prompt, n_gen)
     real = DFlashDrafter(draft.config, target.kcfg.drafter)
     ecfg = EngineConfig(mode="ddtree", budget=10, topk=4, max_ctx=128)
-    engine = Engine(target.config, target.params, ecfg, ForcedDrafter(real, CFG.vocab_size), None)
+    engine = Engine(target.config, target, ecfg, ForcedDrafter(real, CFG.vocab_size), None)
     sequence = np.zeros(192, np.int32)
     sequence[len(prompt):len(prompt) + n_gen] = ar.tokens  # the first generated token sits at len(prompt)
 
     def run(rate):
-        engine.dparams = {"real": draft.params, "sequence": jnp.asarray(sequence), "error_rate": jnp.float32(rate)}
+        engine.dparams = {"real": draft, "sequence": jnp.asarray(sequence), "error_rate": jnp.float32(rate)}
         return engine.generate(prompt, n_gen)
 
     perfect = run(0.0)

@@ -26,7 +26,7 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def model(tiny_gguf_path):
     m = load_target(tiny_gguf_path, progress=False)
-    return m.config, m.params
+    return m.config, m
 
 
 def run_prefill(cfg, params, ids):

@@ -10,8 +10,7 @@ from conftest import TINY
 from dflash_jax.config import EngineConfig
 from dflash_jax.engine.generate import Engine
 from dflash_jax.models import draft as draft_model
-from dflash_jax.models.target import params_from_tensors
-from dflash_jax.testing.tiny import random_draft_tensors, random_gguf_tensors, tiny_draft_config, tiny_target_config
+from dflash_jax.testing.tiny import random_draft, random_target, tiny_draft_config, tiny_target_config
 from dflash_jax.training.draft_blocks import block_labels, block_logits, sample_anchors
 from dflash_jax.training.features import target_features
 
@@ -23,7 +22,7 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def tparams():
-    return jax.tree.map(jnp.asarray, params_from_tensors(TCFG, random_gguf_tensors(TCFG, seed=4)))
+    return random_target(TCFG, seed=4)
 
 
 @pytest.mark.parametrize("types, window", [(("full_attention", "full_attention"), None),
@@ -32,7 +31,7 @@ def test_training_blocks_equal_inference_blocks(tparams, types, window):
     """Every block of the training pass gives the logits `propose` gives after the context before its anchor was
     committed: the context is seen strictly before the anchor, at the same positions, with the same masks."""
     dcfg = tiny_draft_config(TCFG, types, block_size=BLOCK, sliding_window=window, taps=(0, 2))
-    dparams = jax.tree.map(jnp.asarray, draft_model.params_from_tensors(dcfg, random_draft_tensors(dcfg, seed=3)))
+    dparams = random_draft(dcfg, seed=3)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, TCFG.vocab_size, 128), jnp.int32)
     taps, _ = target_features(tparams, TCFG, tokens, dcfg.target_layer_ids)
@@ -85,7 +84,7 @@ def test_training_lowers_the_held_out_loss_and_resumes_exactly(tparams, tmp_path
     data = np.random.default_rng(0).integers(0, 64, (64, 64)).astype(np.int32)  # held out: the first 8 rows
     cfg = draft_config_for(TCFG, TCFG.vocab_size - 1, layers=1, block_size=4, taps=2)
     tc = TrainConfig(steps=30, batch=4, seq_len=64, lr=3e-3)
-    trainer = draft_trainer(cfg, TCFG, tparams, tc, BlockConfig(anchors=8, gamma=2.0, dtype="float32"))
+    trainer = draft_trainer(cfg, tparams, tc, BlockConfig(anchors=8, gamma=2.0, dtype="float32"))
     params, opt_state = trainer.init()
     before = trainer.evaluate(params, data[:8])["loss"]
     straight = []

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-
-from dflash_jax.models.target import init_state, params_from_tensors
+from dflash_jax.models.target import init_state, target_from_tensors
 from dflash_jax.testing.tiny import tiny_target_config
 from dflash_jax.training.data import batches
 from dflash_jax.training.features import sequence_logits
@@ -26,15 +26,16 @@ def test_training_logits_are_the_prefill_logits_and_tensors_round_trip(tie):
     """Tied: one trained matrix is both embedding and head, so what is written (no output.weight) is what trained."""
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tie)
     params = init_params(cfg, jax.random.key(0))
-    assert all(float(jnp.max(-jnp.exp(p["a_log"]))) < 0 for p in params["layers"] if "a_log" in p)
+    a_logs = [layer["linear_attn"]["A"].get_value() for layer in params["layers"].values() if "linear_attn" in layer]
+    assert a_logs and all(float(jnp.max(-jnp.exp(a_log))) < 0 for a_log in a_logs)
     assert ("lm_head" in params) != tie and ("output.weight" in tensors_to_write(params, cfg)) != tie
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, 128), jnp.int32)
-    got = sequence_logits(to_engine(params), cfg, tokens)
-    want = [logits for logits in _prefill_all(to_engine(params), tokens)]
+    got = sequence_logits(to_engine(params, cfg), cfg, tokens)
+    want = [logits for logits in _prefill_all(to_engine(params, cfg), tokens)]
     np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-5, atol=1e-5)
-    again = jax.tree.map(jnp.asarray, params_from_tensors(cfg, tensors_to_write(params, cfg)))
-    assert jax.tree.structure(again) == jax.tree.structure(to_engine(params))
-    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(to_engine(params))):
+    again = nnx.state(target_from_tensors(cfg, {k: jnp.asarray(v) for k, v in tensors_to_write(params, cfg).items()}))
+    assert jax.tree.structure(again) == jax.tree.structure(nnx.state(to_engine(params, cfg)))
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(nnx.state(to_engine(params, cfg)))):
         np.testing.assert_array_equal(a, b)
 
 

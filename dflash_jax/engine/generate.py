@@ -3,25 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
-from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks
+from dflash_jax.engine.prefill import (DEFAULT_CHUNK, InputError, SplitTarget, check_tokens, prefill_chunks,
+                                       split_weights)
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
-from dflash_jax.models.target import init_state
+from dflash_jax.models.target import Target, init_state
 
-# the drafter's state is donated: each prompt chunk writes its context cache in place
-_extend = jax.jit(lambda drafter, params, state, taps, n: drafter.extend(params, state, taps, n),
-                  static_argnums=(0,), donate_argnums=(2,))
+
+@functools.lru_cache(maxsize=None)
+def extend_function(drafter: Drafter, graph: nnx.GraphDef) -> Callable:
+    """The jitted `drafter.extend` of params of this graph: (weights, state, taps, n_valid) -> state."""
+    # the drafter's state is donated: each prompt chunk writes its context cache in place
+    return jax.jit(lambda weights, state, taps, n: drafter.extend(nnx.merge(graph, weights), state, taps, n),
+                   donate_argnums=(1,))
 
 
 @jax.jit
@@ -73,29 +80,45 @@ class Generation:
 
 class Engine:
     """A target, an optional drafter, an EngineConfig and the KernelConfig the target's weights were laid out for,
-    with the compiled functions they need."""
+    with the compiled functions they need.
 
-    def __init__(self, tcfg: TargetConfig, tparams: dict, ecfg: EngineConfig, drafter: Drafter | None = None,
+    The target module and the drafter's params (a Draft module, or whatever its Drafter takes) are split once
+    (`prefill.split_weights`): the jitted functions take their weights (`tweights`, `dweights`, dicts of arrays) and
+    close over their graphs, so no step merges, flattens or hashes a module."""
+
+    def __init__(self, tcfg: TargetConfig, tparams: Target, ecfg: EngineConfig, drafter: Drafter | None = None,
                  dparams: Any = None, kcfg: KernelConfig = REFERENCE):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
-        self.tcfg, self.tparams, self.ecfg = tcfg, tparams, ecfg
+        self.tcfg, self.ecfg = tcfg, ecfg
+        self.tsplit = SplitTarget.of(tparams)
+        self.tgraph, self.tweights = self.tsplit.graph, self.tsplit.weights
         self.drafter = drafter if ecfg.mode != "ar" else None
-        self.dparams = dparams
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
         self.kcfg = kcfg
-        self.step = make_step(tcfg, self.drafter, ecfg, kcfg)
+        self.dparams = dparams
+
+    @property
+    def dparams(self) -> Any:
+        """The drafter's params (the step runs the split of them)."""
+        return nnx.merge(self.dgraph, self.dweights)
+
+    @dparams.setter
+    def dparams(self, dparams: Any) -> None:
+        # new params of the same graph (an oracle's sequence) reuse the compiled functions
+        self.dgraph, self.dweights = split_weights(dparams)
+        self.step = make_step(self.tcfg, self.drafter, self.ecfg, self.tgraph, self.dgraph, self.kcfg)
+        self.extend = extend_function(self.drafter, self.dgraph) if self.drafter else None
 
     @classmethod
     def from_loaded(cls, target, draft, ecfg: EngineConfig) -> "Engine":
         """An engine from `load_target` / `load_draft` results (draft may be None in ar mode)."""
         if draft is None:
-            return cls(target.config, target.params, ecfg, kcfg=target.kcfg)
+            return cls(target.config, target, ecfg, kcfg=target.kcfg)
         dcfg = draft.config
         draft_model.check_pair(dcfg, target.config)
-        return cls(target.config, target.params, ecfg, DFlashDrafter(dcfg, target.kcfg.drafter), draft.params,
-                   kcfg=target.kcfg)
+        return cls(target.config, target, ecfg, DFlashDrafter(dcfg, target.kcfg.drafter), draft, kcfg=target.kcfg)
 
     def _empty_states(self):
         """A fresh generation's (target state, drafter state or None). The target's has slack for the largest tree
@@ -133,10 +156,10 @@ class Engine:
     def _prefill(self, tstate, dstate, ids: np.ndarray):
         """Commit checked ids to the target's and the drafter's states: (last logits, target state, drafter state)."""
         taps = self.drafter.taps if self.drafter else ()
-        for n, logits, tapped, tstate in prefill_chunks(self.tparams, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK,
-                                                        taps=taps, kcfg=self.kcfg):
+        chunks = prefill_chunks(self.tsplit, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK, taps=taps, kcfg=self.kcfg)
+        for n, logits, tapped, tstate in chunks:
             if self.drafter:
-                dstate = _extend(self.drafter, self.dparams, dstate, tapped, jnp.int32(n))
+                dstate = self.extend(self.dweights, dstate, tapped, jnp.int32(n))
         return logits, tstate, dstate
 
     def _start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int],
@@ -215,9 +238,9 @@ class Engine:
         stopped = first in stop_ids
         finished = stopped or n_gen == 1 or halted
         if not finished:
-            state, current = self.step(self.tparams, self.dparams, state, stops, params)
+            state, current = self.step(self.tweights, self.dweights, state, stops, params)
         while not finished:
-            state, following = self.step(self.tparams, self.dparams, state, stops, params)  # queued before the read
+            state, following = self.step(self.tweights, self.dweights, state, stops, params)  # queued before the read
             count = int(current.count)
             if not lengths:
                 first_step_s = time.perf_counter() - t1

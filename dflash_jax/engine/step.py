@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dflash_jax.config import DraftConfig, EngineConfig, KernelConfig, TargetConfig
 from dflash_jax.engine.sampling import Sampling, draft_scores, gumbel_noise, sample
@@ -35,7 +36,7 @@ class Drafter(Protocol):
     block_size: int
     taps: tuple[int, ...]  # target layers whose outputs the drafter reads
 
-    def propose(self, params: Any, state: Any, target_params: dict, root: jax.Array, position: jax.Array,
+    def propose(self, params: Any, state: Any, target_model: target.Target, root: jax.Array, position: jax.Array,
                 depth: int) -> jax.Array:
         """Logits [depth, V] for depths 1..depth (static, at most block_size - 1) below the root, which sits at
         `position`."""
@@ -63,10 +64,10 @@ class DFlashDrafter:
     def taps(self) -> tuple[int, ...]:
         return self.config.target_layer_ids
 
-    def propose(self, params, state, target_params, root, position, depth):
+    def propose(self, params, state, target_model, root, position, depth):
         # the head only on the rows the tree can use: it is most of a small drafter's step on a CPU
-        hidden = draft_model.draft_hidden(params, self.config, state, target_params, root, self.kcfg)
-        return target.output_logits(target_params, hidden[1:depth + 1], self.kcfg)
+        hidden = draft_model.draft_hidden(params, self.config, state, target_model, root, self.kcfg)
+        return target_model.lm_head(hidden[1:depth + 1], self.kcfg)
 
     def extend(self, params, state, taps, n_valid):
         return draft_model.extend_context(params, self.config, state, taps, n_valid, self.kcfg)
@@ -103,9 +104,11 @@ def step_tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None) -> 
     return build_tree(root, logits, ecfg.budget, min(ecfg.topk, ecfg.budget), ecfg.seeds_chain(logits.shape[0]))
 
 
-def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, sampling: Sampling | None = None, *,
-          tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig
-          ) -> tuple[DecodeState, StepOut]:
+def _step(tweights: nnx.State, dweights: nnx.State, state: DecodeState, stop_ids: jax.Array,
+          sampling: Sampling | None = None, *, tgraph: nnx.GraphDef, dgraph: nnx.GraphDef, tcfg: TargetConfig,
+          drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig) -> tuple[DecodeState, StepOut]:
+    # the models as modules again, at trace time only: the compiled step takes their weights as arrays
+    tparams, dparams = nnx.merge(tgraph, tweights), nnx.merge(dgraph, dweights)
     width = emit_width(ecfg, drafter.block_size if drafter else 1)
     taps = drafter.taps if drafter else ()
 
@@ -153,9 +156,12 @@ def _step(tparams: dict, dparams: Any, state: DecodeState, stop_ids: jax.Array, 
 
 
 @functools.lru_cache(maxsize=None)
-def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig = REFERENCE):
-    """The jitted step for one (target, drafter, engine, kernel) configuration: (tparams, dparams, state, stop_ids,
-    sampling) -> (state, StepOut), the state donated; sampling None (greedy) and a Sampling compile apart."""
+def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, tgraph: nnx.GraphDef,
+              dgraph: nnx.GraphDef, kcfg: KernelConfig = REFERENCE):
+    """The jitted step for one (target, drafter, engine, kernel) configuration and the graphs of the target and the
+    drafter's params (`nnx.split`): (tweights, dweights, state, stop_ids, sampling) -> (state, StepOut), the state
+    donated; sampling None (greedy) and a Sampling compile apart."""
     if ecfg.mode != "ar" and drafter is None:
         raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
-    return jax.jit(functools.partial(_step, tcfg=tcfg, drafter=drafter, ecfg=ecfg, kcfg=kcfg), donate_argnums=(2,))
+    return jax.jit(functools.partial(_step, tgraph=tgraph, dgraph=dgraph, tcfg=tcfg, drafter=drafter, ecfg=ecfg,
+                                     kcfg=kcfg), donate_argnums=(2,))

@@ -6,7 +6,8 @@ layer projects them with its own k/v projection, k_norm and RoPE at the tokens' 
 values are computed once per committed token and kept in `DraftState` (the C++ engine recomputes them every step):
 the sliding-window layers keep a ring of their window, the full-attention layers all the context or a ring of the last
 `context` positions (EngineConfig.draft_ctx). The block is embedded with the target's embedding and read out through
-the target's lm_head.
+the target's lm_head. The weights live in Flax NNX modules whose paths are the z-lab tensor names
+(`Draft.layers[0].self_attn.q_proj.weight`).
 """
 
 from __future__ import annotations
@@ -14,31 +15,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
 from dflash_jax import kernels
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import (SLIDING_ATTENTION, ConfigError, DraftConfig, KernelConfig, TargetConfig,
                                draft_config_to_hf)
-from dflash_jax.kernels import REFERENCE, linear
-from dflash_jax.models.layers import rms_norm, rope, swiglu, write_slots
-from dflash_jax.models.target import embed_tokens, output_logits
+from dflash_jax.kernels import REFERENCE
+from dflash_jax.models.layers import MLP, AttentionWeights, Linear, RMSNorm, rope, weight_at, write_slots
+from dflash_jax.models.target import Target
 from dflash_jax.quant import QTensor
-
-# z-lab tensor name inside a layer -> parameter name
-LAYER_PARAMS = {
-    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
-    "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
-}
-GLOBAL_PARAMS = {"fc.weight": "fc", "hidden_norm.weight": "hidden_norm", "norm.weight": "norm"}
 
 
 def tensor_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -57,27 +50,70 @@ def tensor_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def params_from_tensors(cfg: DraftConfig, tensors: Mapping[str, QTensor | np.ndarray]) -> dict:
-    """The drafter's parameter pytree from tensors by z-lab name."""
-    params = {short: tensors[name] for name, short in GLOBAL_PARAMS.items()}
-    params["layers"] = tuple({short: tensors[f"layers.{n}.{name}"] for name, short in LAYER_PARAMS.items()}
-                             for n in range(cfg.num_layers))
-    return params
+class DraftAttention(AttentionWeights):
+    """A drafter layer's attention (Qwen3's): per-head q/k RMSNorm, RoPE over the whole head, no output gate."""
+
+    def kv(self, cfg: DraftConfig, x: jax.Array, pos: jax.Array, kcfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
+        """Keys (k-normed, roped at `pos`) and values [n, kv_heads, head_dim] of hidden states x [n, H]."""
+        n = x.shape[0]
+        k = self.k_proj(x, kcfg).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x, kcfg).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        return rope(self.k_norm(k), pos, cfg.head_dim, cfg.rope_theta), v
 
 
-def tensors_from_params(params: dict) -> dict[str, np.ndarray]:
-    """Tensors by z-lab name from the parameter pytree (inverse of params_from_tensors), as numpy arrays."""
-    tensors = {name: np.asarray(params[short]) for name, short in GLOBAL_PARAMS.items()}
-    for n, layer in enumerate(params["layers"]):
-        tensors.update({f"layers.{n}.{name}": np.asarray(layer[short]) for name, short in LAYER_PARAMS.items()})
-    return tensors
+class DraftLayer(nnx.Module):
+    """One drafter layer: pre-normed attention over the context and the block, then a pre-normed MLP."""
+
+    def __init__(self, input_layernorm: RMSNorm, self_attn: DraftAttention, post_attention_layernorm: RMSNorm,
+                 mlp: MLP):
+        self.input_layernorm, self.self_attn = input_layernorm, self_attn
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
 
 
-def write_draft_dir(path: str | os.PathLike, cfg: DraftConfig, tensors: Mapping[str, np.ndarray]) -> None:
+class Draft(nnx.Module):
+    """The DFlash drafter (z-lab's DFlashDraftModel): `fc` and `hidden_norm` over the concatenated tap features, its
+    layers (full or sliding-window attention as config.layer_types says) and the final norm, with its config and
+    the KernelConfig its matrices are laid out for. It has no embedding or head: it borrows the target's."""
+
+    def __init__(self, config: DraftConfig, fc: Any, hidden_norm: jax.Array, layers: list[DraftLayer],
+                 norm: jax.Array, kcfg: KernelConfig = REFERENCE):
+        self.config, self.kcfg = config, kcfg
+        self.fc = Linear(fc)
+        self.hidden_norm = RMSNorm(hidden_norm, config.rms_norm_eps)
+        self.layers = nnx.List(layers)
+        self.norm = RMSNorm(norm, config.rms_norm_eps)
+
+
+def _sub_args(tensors: Mapping[str, Any], prefix: str, sub: str) -> dict[str, Any]:
+    """A sub-module's constructor arguments (`q_proj`, ...) from the z-lab tensors `{prefix}{sub}.NAME.weight`."""
+    head = prefix + sub + "."
+    return {name[len(head):].split(".")[0]: x for name, x in tensors.items() if name.startswith(head)}
+
+
+def draft_from_tensors(cfg: DraftConfig, tensors: Mapping[str, QTensor | np.ndarray],
+                       kcfg: KernelConfig = REFERENCE) -> Draft:
+    """The Draft holding tensors by z-lab name as they are (nothing is copied)."""
+    eps, layers = cfg.rms_norm_eps, []
+    for n in range(cfg.num_layers):
+        prefix = f"layers.{n}."
+        layers.append(DraftLayer(RMSNorm(tensors[prefix + "input_layernorm.weight"], eps),
+                                 DraftAttention(**_sub_args(tensors, prefix, "self_attn"), eps=eps),
+                                 RMSNorm(tensors[prefix + "post_attention_layernorm.weight"], eps),
+                                 MLP(**_sub_args(tensors, prefix, "mlp"))))
+    return Draft(cfg, tensors["fc.weight"], tensors["hidden_norm.weight"], layers, tensors["norm.weight"], kcfg)
+
+
+def draft_tensors(model: Draft) -> dict[str, np.ndarray]:
+    """Tensors by z-lab name from a Draft (the inverse of draft_from_tensors), as numpy arrays."""
+    return {name: np.asarray(weight_at(model, name)) for name in tensor_shapes(model.config)}
+
+
+def write_draft_dir(path: str | os.PathLike, model: Draft) -> None:
     """Save a drafter in the z-lab layout: config.json and bf16 model.safetensors (tensor names sorted)."""
+    tensors = draft_tensors(model)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(draft_config_to_hf(cfg), f, indent=2)
+        json.dump(draft_config_to_hf(model.config), f, indent=2)
     save_file({k: np.asarray(tensors[k]).astype(ml_dtypes.bfloat16) for k in sorted(tensors)},
               os.path.join(path, "model.safetensors"))
 
@@ -165,13 +201,6 @@ def init_draft_state(cfg: DraftConfig, slots: int, kv_types: tuple[str, str] = (
                       start=jnp.zeros(len(windows), jnp.int32), windows=windows, rings=tuple(rings))
 
 
-def _kv(p: dict, cfg: DraftConfig, x: jax.Array, pos: jax.Array, kcfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
-    n = x.shape[0]
-    k = linear(x, p["wk"], kcfg).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(x, p["wv"], kcfg).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    return rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.head_dim, cfg.rope_theta), v
-
-
 def _write_slots(state: DraftState, g: int, pos: jax.Array, keep: jax.Array) -> jax.Array:
     """The slots of group g that the rows of positions pos [n] go to, where `keep`: [n] linear, [2n] in a ring (both
     copies); the others past the cache's end (dropped)."""
@@ -183,17 +212,17 @@ def _write_slots(state: DraftState, g: int, pos: jax.Array, keep: jax.Array) -> 
     return jnp.concatenate([slot, jnp.where(keep, slot + w, 2 * w)])
 
 
-def extend_context(params: dict, cfg: DraftConfig, state: DraftState, taps: jax.Array, n_valid: jax.Array,
+def extend_context(params: Draft, cfg: DraftConfig, state: DraftState, taps: jax.Array, n_valid: jax.Array,
                    kcfg: KernelConfig = REFERENCE) -> DraftState:
     """Append the first n_valid of n newly committed tokens' tap features [n, n_taps, H] to the context cache (the
     rest are not written: in a ring they would overwrite positions still in its window)."""
     n = taps.shape[0]
-    fused = rms_norm(linear(taps.reshape(n, -1), params["fc"], kcfg), params["hidden_norm"], cfg.rms_norm_eps)
+    fused = params.hidden_norm(params.fc(taps.reshape(n, -1), kcfg))
     pos = state.length + jnp.arange(n)
     slots = [_write_slots(state, g, pos, jnp.arange(n) < n_valid) for g in range(len(state.k))]
     k_all, v_all = list(state.k), list(state.v)
-    for layer, p in enumerate(params["layers"]):
-        k, v = _kv(p, cfg, fused, pos, kcfg)
+    for layer, p in enumerate(params.layers):
+        k, v = p.self_attn.kv(cfg, fused, pos, kcfg)
         g, j = _place(cfg, layer)
         copies = slots[g].shape[0] // n  # a ring writes each row twice
         k_all[g] = write_slots(k_all[g], jnp.tile(k, (copies, 1, 1)), slots[g], j)
@@ -226,33 +255,33 @@ def _cache_slots(state: DraftState, g: int, first: jax.Array) -> tuple[jax.Array
     return base + state.length - oldest, base + jnp.maximum(first - oldest, 0)
 
 
-def propose(params: dict, cfg: DraftConfig, state: DraftState, target_params: dict,
+def propose(params: Draft, cfg: DraftConfig, state: DraftState, target: Target,
             root: jax.Array, kcfg: KernelConfig = REFERENCE) -> tuple[jax.Array, jax.Array]:
     """Draft the block [root, MASK x (B-1)] at positions length..: hidden [B, H] (after the final norm) and
     logits [B, V] through the target's lm_head; row d predicts the token d places after the root. `kcfg` picks
     the attention kernel (dflash_jax.kernels)."""
-    hidden = draft_hidden(params, cfg, state, target_params, root, kcfg)
-    return hidden, output_logits(target_params, hidden, kcfg)
+    hidden = draft_hidden(params, cfg, state, target, root, kcfg)
+    return hidden, target.lm_head(hidden, kcfg)
 
 
-def draft_hidden(params: dict, cfg: DraftConfig, state: DraftState, target_params: dict, root: jax.Array,
+def draft_hidden(params: Draft, cfg: DraftConfig, state: DraftState, target: Target, root: jax.Array,
                  kcfg: KernelConfig = REFERENCE) -> jax.Array:
     """The hidden states [B, H] of `propose` (after the final norm), before the head."""
     b, hd = cfg.block_size, cfg.head_dim
     tokens = jnp.full((b,), cfg.mask_token_id, jnp.int32).at[0].set(root)
-    x = embed_tokens(target_params, tokens)
+    x = target.embed_tokens(tokens)
     pos = state.length + jnp.arange(b)
-    for layer, p in enumerate(params["layers"]):
-        u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q = linear(u, p["wq"], kcfg).reshape(b, cfg.num_heads, hd)
-        q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, hd, cfg.rope_theta)
-        k, v = _kv(p, cfg, u, pos, kcfg)
+    for layer, p in enumerate(params.layers):
+        u = p.input_layernorm(x)
+        q = p.self_attn.q_proj(u, kcfg).reshape(b, cfg.num_heads, hd)
+        q = rope(p.self_attn.q_norm(q), pos, hd, cfg.rope_theta)
+        k, v = p.self_attn.kv(cfg, u, pos, kcfg)
         blk_mask, first = _visibility(cfg, layer, state.length)
         g, j = _place(cfg, layer)
         end, prefix_lo = _cache_slots(state, g, first)
         # the block's own keys and values in the cache's types, as the kernel reads a block (models/target.py)
         k, v = kvq.stored(k, state.k[g]), kvq.stored(v, state.v[g])
         o = kernels.tree_attention(q, state.k[g], state.v[g], end, k, v, blk_mask, prefix_lo, kcfg, j)
-        x = x + linear(o.reshape(b, -1), p["wo"], kcfg)
-        x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"], kcfg)
-    return rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        x = x + p.self_attn.o_proj(o.reshape(b, -1), kcfg)
+        x = x + p.mlp(p.post_attention_layernorm(x), kcfg)
+    return params.norm(x)

@@ -1,15 +1,24 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, NeoX RoPE, SwiGLU, cache row writes."""
+"""Building blocks shared by the target and the drafter: RMSNorm, NeoX RoPE, cache row writes, and the Flax NNX
+modules that hold weights (`Linear`, `RMSNorm`, `Embedding`, `MLP`).
+
+A module is a thin holder of `nnx.Param`s whose values are the arrays the kernels take (a QTensor, a PackedWeight
+or a float array, docs/architecture.md "Modules"); its call runs the same pure function as before modules
+(`kernels.linear`, `rms_norm`). Caches and recurrent state never live in a module: they go in and out as arguments.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import KernelConfig
 from dflash_jax.kernels import linear
-from dflash_jax.quant import QTensor
+from dflash_jax.quant import QTensor, dequantize, take_rows
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -58,11 +67,6 @@ def rope(x: jax.Array, pos: jax.Array, rope_dim: int, theta: float) -> jax.Array
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def swiglu(x: jax.Array, w_gate: QTensor, w_up: QTensor, w_down: QTensor, kcfg: KernelConfig) -> jax.Array:
-    """down(silu(gate x) * up x)."""
-    return linear(jax.nn.silu(linear(x, w_gate, kcfg)) * linear(x, w_up, kcfg), w_down, kcfg)
-
-
 def write_slots(cache: jax.Array | kvq.KVBlocks, rows: jax.Array | kvq.KVBlocks, slots: jax.Array,
                 layer: int) -> jax.Array | kvq.KVBlocks:
     """A stacked cache [layers, slots, ...] with rows [n, ...] written into one layer at slots [n], in the cache's KV
@@ -83,3 +87,68 @@ def write_rows(cache: jax.Array | kvq.KVBlocks, rows: jax.Array | kvq.KVBlocks, 
         return write_slots(cache, rows, slots, layer)
     rows = kvq.stored(rows, cache)
     return jax.tree.map(lambda c, r: c.at[:, slots].set(r, mode="drop"), cache, rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modules
+
+class Linear(nnx.Module):
+    """x @ weight.T for a weight [out, in] in any stored layout (`kernels.linear` dispatches on it); given a
+    variable, the Linear shares it (a head tied to the embedding)."""
+
+    def __init__(self, weight: Any):
+        self.weight = weight if isinstance(weight, nnx.Variable) else nnx.Param(weight)
+
+    def __call__(self, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
+        return linear(x, self.weight.get_value(), kcfg)
+
+
+class RMSNorm(nnx.Module):
+    """`rms_norm` with its weight [dim] (GGUF norms have Qwen's +1 folded in) and epsilon."""
+
+    def __init__(self, weight: jax.Array, eps: float):
+        self.weight = nnx.Param(weight)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight.get_value(), self.eps)
+
+
+class Embedding(nnx.Module):
+    """Token embedding rows [N, H] float32 from a table [V, H] (a QTensor is read by row, never dequantized whole)."""
+
+    def __init__(self, weight: Any):
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        table = self.weight.get_value()
+        return dequantize(take_rows(table, tokens)) if isinstance(table, QTensor) else table[tokens]
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, gate_proj: Any, up_proj: Any, down_proj: Any):
+        self.gate_proj, self.up_proj, self.down_proj = Linear(gate_proj), Linear(up_proj), Linear(down_proj)
+
+    def __call__(self, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, kcfg)) * self.up_proj(x, kcfg), kcfg)
+
+
+class AttentionWeights(nnx.Module):
+    """The weights of a Qwen3-style attention: q/k/v/o projections and per-head q/k RMSNorms (the target's
+    GatedAttention and the drafter's DraftAttention add their forward)."""
+
+    def __init__(self, q_proj: Any, k_proj: Any, v_proj: Any, o_proj: Any, q_norm: jax.Array, k_norm: jax.Array,
+                 eps: float):
+        self.q_proj, self.k_proj, self.v_proj = Linear(q_proj), Linear(k_proj), Linear(v_proj)
+        self.o_proj = Linear(o_proj)
+        self.q_norm, self.k_norm = RMSNorm(q_norm, eps), RMSNorm(k_norm, eps)
+
+
+def weight_at(module: nnx.Module, path: str) -> Any:
+    """The value of the variable at a dotted path below a module (`layers.3.self_attn.q_proj.weight`)."""
+    node: Any = module
+    for part in path.split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node.get_value()

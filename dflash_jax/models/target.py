@@ -1,50 +1,47 @@
 """The Qwen3.5/3.6 hybrid target: prefill, tree verify and path commit over the decode state (specs/qwen35_gguf.md §2).
 
-Parameters are a pytree of QTensor matrices and float32 vectors in GGUF conventions (norms with +1 folded in,
-`ssm_a = -exp(A_log)`, value heads tiled: value head h reads key head h mod nk). Layers are plain functions of
-(params, inputs, state); nothing is stored in modules. A block of N tokens is described by `parents` (-1 = attached
-to the committed prefix; a chain is parent = i - 1): tokens sit at RoPE position `length + depth`, their KV at slots
+The weights live in Flax NNX modules named as HF's `modeling_qwen3_5` names them (`Target.layers[i].self_attn.q_proj`,
+`.linear_attn.in_proj_qkv`, `.mlp.gate_proj`, ...), holding QTensor or kernel-layout matrices and float32 vectors in
+GGUF conventions (norms with +1 folded in, `A = ssm_a = -exp(A_log)`, value heads tiled: value head h reads key head
+h mod nk). The forward functions below are pure functions of (model, inputs, state): the decode state goes in and
+out as arguments, never into a module. A block of N tokens is described by `parents` (-1 = attached to the committed
+prefix; a chain is parent = i - 1): tokens sit at RoPE position `length + depth`, their KV at slots
 `length + index`, and each sees the committed keys plus its own ancestors (DESIGN.md "One step").
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dflash_jax import kernels
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import FULL_ATTENTION, KernelConfig, TargetConfig
-from dflash_jax.kernels import REFERENCE, linear
-from dflash_jax.models.layers import rms_norm, rope, swiglu, write_rows
-from dflash_jax.quant import QTensor, dequantize, take_rows
+from dflash_jax.kernels import REFERENCE
+from dflash_jax.models.layers import MLP, AttentionWeights, Embedding, Linear, RMSNorm, rope, weight_at, write_rows
+from dflash_jax.quant import QTensor
 
-# GGUF tensor name inside a block -> parameter name.
-LAYER_PARAMS = {
-    "attn_norm.weight": "attn_norm", "post_attention_norm.weight": "ffn_norm",
-    "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
-    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
-    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
-    "attn_qkv.weight": "w_qkv", "attn_gate.weight": "w_z", "ssm_beta.weight": "w_beta",
-    "ssm_alpha.weight": "w_alpha", "ssm_a": "ssm_a", "ssm_dt.bias": "dt_bias", "ssm_conv1d.weight": "conv",
-    "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "w_out",
+# GGUF tensor name inside a block -> the path of its variable in a DecoderLayer (HF's names, modeling_qwen3_5).
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_a": "linear_attn.A", "ssm_dt.bias": "linear_attn.dt_bias", "ssm_conv1d.weight": "linear_attn.conv1d",
+    "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
 }
-
-
-def params_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.ndarray]) -> dict:
-    """The parameter pytree from tensors by GGUF name (QTensor matrices, float32 dense); MTP blocks are dropped."""
-    layers = []
-    for i in range(cfg.num_layers):
-        prefix = f"blk.{i}."
-        layers.append({short: tensors[prefix + name] for name, short in LAYER_PARAMS.items()
-                       if prefix + name in tensors})
-    embed = tensors["token_embd.weight"]
-    return {"embed": embed, "norm": tensors["output_norm.weight"],
-            "lm_head": tensors.get("output.weight", embed), "layers": tuple(layers)}
+# GGUF tensor name outside the blocks -> the path of its variable in the Target
+GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                  "output.weight": "lm_head.weight"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,31 +126,34 @@ def _conv_index(block: Block, kernel: int) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Layers
 
-def _attention(p: dict, cfg: TargetConfig, u: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
-               length: jax.Array, block: Block, kcfg: KernelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gated full attention over the committed cache plus the block's ancestors; writes the block's KV into
-    `layer` of the stacked caches k/v_all [attn_layers, slots, kv_heads, head_dim]."""
-    n, hd = u.shape[0], cfg.head_dim
-    qg = linear(u, p["wq"], kcfg).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
-    q, gate = qg[..., :hd], qg[..., hd:].reshape(n, cfg.num_heads * hd)
-    k = linear(u, p["wk"], kcfg).reshape(n, cfg.num_kv_heads, hd)
-    v = linear(u, p["wv"], kcfg).reshape(n, cfg.num_kv_heads, hd)
-    pos = length + block.depth
-    q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
-    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), pos, cfg.rope_dim, cfg.rope_theta)
-    # the block's rows as the cache holds them (cast or quantized): written now, at slots length.., which only a
-    # commit moves below `length`
-    k, v = kvq.stored(k, k_all), kvq.stored(v, v_all)
-    # written before the read (attention sees slots < length only): a read of the old cache still to come would
-    # make XLA copy the whole cache to write it
-    k_all = write_rows(k_all, k, length, layer)
-    v_all = write_rows(v_all, v, length, layer)
-    # the block's own keys as the cache holds them once committed: a later token reads them from the cache, and a
-    # tree's deeper nodes must see what it would see (the reference dequantizes them, the kernel decodes them as it
-    # decodes the cache's tiles)
-    o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), kcfg, layer)
-    o = o.reshape(n, cfg.num_heads * hd)
-    return linear(o * jax.nn.sigmoid(gate), p["wo"], kcfg), k_all, v_all
+class GatedAttention(AttentionWeights):
+    """Gated full attention (HF's Qwen3_5Attention): q_proj gives each head's query and its output gate."""
+
+    def __call__(self, cfg: TargetConfig, u: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
+                 length: jax.Array, block: Block, kcfg: KernelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention over the committed cache plus the block's ancestors; writes the block's KV into `layer` of the
+        stacked caches k/v_all [attn_layers, slots, kv_heads, head_dim]."""
+        n, hd = u.shape[0], cfg.head_dim
+        qg = self.q_proj(u, kcfg).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(n, cfg.num_heads * hd)
+        k = self.k_proj(u, kcfg).reshape(n, cfg.num_kv_heads, hd)
+        v = self.v_proj(u, kcfg).reshape(n, cfg.num_kv_heads, hd)
+        pos = length + block.depth
+        q = rope(self.q_norm(q), pos, cfg.rope_dim, cfg.rope_theta)
+        k = rope(self.k_norm(k), pos, cfg.rope_dim, cfg.rope_theta)
+        # the block's rows as the cache holds them (cast or quantized): written now, at slots length.., which only a
+        # commit moves below `length`
+        k, v = kvq.stored(k, k_all), kvq.stored(v, v_all)
+        # written before the read (attention sees slots < length only): a read of the old cache still to come would
+        # make XLA copy the whole cache to write it
+        k_all = write_rows(k_all, k, length, layer)
+        v_all = write_rows(v_all, v, length, layer)
+        # the block's own keys as the cache holds them once committed: a later token reads them from the cache, and
+        # a tree's deeper nodes must see what it would see (the reference dequantizes them, the kernel decodes them
+        # as it decodes the cache's tiles)
+        o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), kcfg, layer)
+        o = o.reshape(n, cfg.num_heads * hd)
+        return self.o_proj(o * jax.nn.sigmoid(gate), kcfg), k_all, v_all
 
 
 @jax.tree_util.register_dataclass
@@ -167,62 +167,129 @@ class GDNCarry:
     conv_in: jax.Array  # [K-1+N, conv_dim]: committed conv state then the block's pre-conv inputs
 
 
-def _gdn_inputs(p: dict, cfg: TargetConfig, u: jax.Array, conv_state: jax.Array, conv_index: jax.Array,
-                kcfg: KernelConfig):
-    """Projections, causal conv along each token's path (rows `conv_index`), and the delta-rule inputs."""
-    n, nk, nv = u.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    conv_in = jnp.concatenate([conv_state, linear(u, p["w_qkv"], kcfg)], axis=0)  # [K-1+N, C]
-    c = kernels.tree_conv(conv_in, conv_index, p["conv"], kcfg)
-    q = c[:, :nk * dk].reshape(n, nk, dk)
-    k = c[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
-    v = c[:, 2 * nk * dk:].reshape(n, nv, dv)
-    l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)  # noqa: E731
-    q = jnp.tile(l2(q) * dk ** -0.5, (1, nv // nk, 1))  # tiled: value head h reads key head h mod nk
-    k = jnp.tile(l2(k), (1, nv // nk, 1))
-    beta = jax.nn.sigmoid(linear(u, p["w_beta"], kcfg))
-    g = p["ssm_a"] * jax.nn.softplus(linear(u, p["w_alpha"], kcfg) + p["dt_bias"])
-    z = linear(u, p["w_z"], kcfg).reshape(n, nv, dv)
-    return q, k, v, g, beta, z, conv_in
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet (HF's Qwen3_5GatedDeltaNet): projections, causal conv and the delta rule's inputs, then the
+    gated norm and output projection; the rule itself runs in `_forward` (chunked for a prefill, as a tree else)."""
+
+    def __init__(self, in_proj_qkv: Any, in_proj_z: Any, in_proj_b: Any, in_proj_a: Any, A: jax.Array,
+                 dt_bias: jax.Array, conv1d: jax.Array, norm: jax.Array, out_proj: Any, eps: float):
+        self.in_proj_qkv, self.in_proj_z = Linear(in_proj_qkv), Linear(in_proj_z)
+        self.in_proj_b, self.in_proj_a = Linear(in_proj_b), Linear(in_proj_a)
+        self.A = nnx.Param(A)  # [value_heads] = -exp(A_log), GGUF's ssm_a
+        self.dt_bias = nnx.Param(dt_bias)  # [value_heads]
+        self.conv1d = nnx.Param(conv1d)  # [conv_dim, K]: HF's conv1d.weight [conv_dim, 1, K] squeezed
+        self.norm = RMSNorm(norm, eps)  # gated, so without Qwen's +1
+        self.out_proj = Linear(out_proj)
+
+    def inputs(self, cfg: TargetConfig, u: jax.Array, conv_state: jax.Array, conv_index: jax.Array,
+               kcfg: KernelConfig):
+        """Projections, causal conv along each token's path (rows `conv_index`), and the delta-rule inputs."""
+        n, nk, nv = u.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_in = jnp.concatenate([conv_state, self.in_proj_qkv(u, kcfg)], axis=0)  # [K-1+N, C]
+        c = kernels.tree_conv(conv_in, conv_index, self.conv1d.get_value(), kcfg)
+        q = c[:, :nk * dk].reshape(n, nk, dk)
+        k = c[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
+        v = c[:, 2 * nk * dk:].reshape(n, nv, dv)
+        l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)  # noqa: E731
+        q = jnp.tile(l2(q) * dk ** -0.5, (1, nv // nk, 1))  # tiled: value head h reads key head h mod nk
+        k = jnp.tile(l2(k), (1, nv // nk, 1))
+        beta = jax.nn.sigmoid(self.in_proj_b(u, kcfg))
+        g = self.A.get_value() * jax.nn.softplus(self.in_proj_a(u, kcfg) + self.dt_bias.get_value())
+        z = self.in_proj_z(u, kcfg).reshape(n, nv, dv)
+        return q, k, v, g, beta, z, conv_in
+
+    def output(self, o: jax.Array, z: jax.Array, kcfg: KernelConfig) -> jax.Array:
+        """The rule's output o [N, H, dv] through the norm gated by silu(z), then the output projection."""
+        n = o.shape[0]
+        y = self.norm(o) * jax.nn.silu(z)
+        return self.out_proj(y.reshape(n, -1), kcfg)
 
 
-def _gdn_output(p: dict, cfg: TargetConfig, o: jax.Array, z: jax.Array, kcfg: KernelConfig) -> jax.Array:
-    n = o.shape[0]
-    y = rms_norm(o, p["ssm_norm"], cfg.rms_norm_eps) * jax.nn.silu(z)
-    return linear(y.reshape(n, -1), p["w_out"], kcfg)
+class DecoderLayer(nnx.Module):
+    """One block (HF's Qwen3_5DecoderLayer): a pre-normed mixer, `self_attn` (GatedAttention) or `linear_attn`
+    (GatedDeltaNet) as `layer_type` says, then a pre-normed MLP, each added to the residual."""
+
+    def __init__(self, layer_type: str, input_layernorm: RMSNorm, mixer: GatedAttention | GatedDeltaNet,
+                 post_attention_layernorm: RMSNorm, mlp: MLP):
+        self.layer_type = layer_type
+        self.input_layernorm = input_layernorm
+        if layer_type == FULL_ATTENTION:
+            self.self_attn = mixer
+        else:
+            self.linear_attn = mixer
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
 
 
-def embed_tokens(params: dict, tokens: jax.Array) -> jax.Array:
-    """Embedding rows [N, H] float32 of token ids (the drafter embeds its block with these too)."""
-    embed = params["embed"]
-    return dequantize(take_rows(embed, tokens)) if isinstance(embed, QTensor) else embed[tokens]
+class Target(nnx.Module):
+    """The hybrid target (HF's Qwen3_5ForCausalLM): embedding, decoder layers, final norm and head, with its config
+    and the KernelConfig its matrices are laid out for (every engine built on it runs that configuration)."""
+
+    def __init__(self, config: TargetConfig, embed_tokens: Any, layers: list[DecoderLayer], norm: jax.Array,
+                 lm_head: Any | None, kcfg: KernelConfig = REFERENCE):
+        self.config, self.kcfg = config, kcfg
+        self.embed_tokens = Embedding(embed_tokens)
+        self.layers = nnx.List(layers)
+        self.norm = RMSNorm(norm, config.rms_norm_eps)
+        # None: tied, the embedding's own variable (trained once); a loaded model's tied head is a copy of the
+        # embedding in the kernels' layout (load.prepare_target)
+        self.lm_head = Linear(self.embed_tokens.weight if lm_head is None else lm_head)
 
 
-def output_logits(params: dict, hidden: jax.Array, kcfg: KernelConfig = REFERENCE) -> jax.Array:
-    """The lm_head (or tied embedding) applied to already-normed hidden states (shared with the drafter)."""
-    return linear(hidden, params["lm_head"], kcfg)
+def _sub_args(tensors: Mapping[str, Any], prefix: str, sub: str) -> dict[str, Any]:
+    """A sub-module's constructor arguments: its weights by attribute name, from tensors by GGUF name."""
+    return {path.split(".")[1]: tensors[prefix + name] for name, path in LAYER_TENSORS.items()
+            if path.startswith(sub + ".")}
 
 
-def _logits(params: dict, cfg: TargetConfig, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
-    return output_logits(params, rms_norm(x, params["norm"], cfg.rms_norm_eps), kcfg)
+def target_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.ndarray],
+                        kcfg: KernelConfig = REFERENCE) -> Target:
+    """The Target holding tensors by GGUF name as they are (QTensor matrices, float32 vectors; nothing is copied);
+    MTP blocks are left out, and without output.weight (tied) the head shares the embedding's variable."""
+    eps, layers = cfg.rms_norm_eps, []
+    for i, layer_type in enumerate(cfg.layer_types):
+        prefix = f"blk.{i}."
+        if layer_type == FULL_ATTENTION:
+            mixer = GatedAttention(**_sub_args(tensors, prefix, "self_attn"), eps=eps)
+        else:
+            mixer = GatedDeltaNet(**_sub_args(tensors, prefix, "linear_attn"), eps=eps)
+        layers.append(DecoderLayer(layer_type, RMSNorm(tensors[prefix + "attn_norm.weight"], eps), mixer,
+                                   RMSNorm(tensors[prefix + "post_attention_norm.weight"], eps),
+                                   MLP(**_sub_args(tensors, prefix, "mlp"))))
+    embed = tensors["token_embd.weight"]
+    return Target(cfg, embed, layers, tensors["output_norm.weight"], tensors.get("output.weight"), kcfg)
 
 
-def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
+def target_tensors(model: Target) -> dict[str, Any]:
+    """Every tensor of a Target by GGUF name (the inverse of target_from_tensors; output.weight even where tied)."""
+    out = {name: weight_at(model, path) for name, path in GLOBAL_TENSORS.items()}
+    for i, layer in enumerate(model.layers):
+        out.update({f"blk.{i}.{name}": weight_at(layer, path) for name, path in LAYER_TENSORS.items()
+                    if hasattr(layer, path.split(".")[0])})
+    return out
+
+
+def _logits(model: Target, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
+    return model.lm_head(model.norm(x), kcfg)
+
+
+def _forward(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
              taps: tuple[int, ...], prefill_valid: jax.Array | None, kcfg: KernelConfig):
     """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
     verify (tree) leaves it and returns what the commit needs."""
-    x = embed_tokens(params, tokens)
+    x = model.embed_tokens(tokens)
     k_all, v_all, conv, ssm = state.k, state.v, state.conv, state.ssm
     tap_out, carries = {}, []
     conv_index = _conv_index(block, cfg.conv_kernel)
     ia = ig = 0
-    for i, p in enumerate(params["layers"]):
-        u = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    for i, layer in enumerate(model.layers):
+        u = layer.input_layernorm(x)
         if cfg.layer_types[i] == FULL_ATTENTION:
-            out, k_all, v_all = _attention(p, cfg, u, k_all, v_all, ia, state.length, block, kcfg)
+            out, k_all, v_all = layer.self_attn(cfg, u, k_all, v_all, ia, state.length, block, kcfg)
             ia += 1
         else:
-            q, k, v, g, beta, z, conv_in = _gdn_inputs(p, cfg, u, conv[ig], conv_index, kcfg)
+            q, k, v, g, beta, z, conv_in = layer.linear_attn.inputs(cfg, u, conv[ig], conv_index, kcfg)
             if prefill_valid is None:
                 o, v_new, gamma = kernels.gdn_tree(q, k, v, g, beta, ssm, block.anc, kcfg, ig)
                 carries.append(GDNCarry(k, v_new, gamma, conv_in))
@@ -232,10 +299,10 @@ def _forward(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Ar
                                            jnp.where(real, beta, 0.0), ssm, kcfg, ig)
                 ssm = ssm.at[ig].set(s)
                 conv = conv.at[ig].set(conv_in[conv_index[prefill_valid - 1, 1:]])
-            out = _gdn_output(p, cfg, o, z, kcfg)
+            out = layer.linear_attn.output(o, z, kcfg)
             ig += 1
         x = x + out
-        x = x + swiglu(rms_norm(x, p["ffn_norm"], cfg.rms_norm_eps), p["w_gate"], p["w_up"], p["w_down"], kcfg)
+        x = x + layer.mlp(layer.post_attention_layernorm(x), kcfg)
         if i in taps:
             tap_out[i] = x
     state = dataclasses.replace(state, k=k_all, v=v_all, conv=conv, ssm=ssm)
@@ -262,7 +329,7 @@ def _check_fits(state: TargetState, tokens: jax.Array) -> None:
         raise ValueError(f"a block of {tokens.shape[0]} tokens does not fit a cache of {state.slots} slots")
 
 
-def prefill_chunk(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
+def prefill_chunk(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
                   taps: tuple[int, ...] = (), all_logits: bool = False, kcfg: KernelConfig = REFERENCE
                   ) -> tuple[jax.Array, jax.Array, TargetState]:
     """Commit the first n_valid of P prompt tokens (the rest is padding); `kcfg` picks the kernels
@@ -270,14 +337,14 @@ def prefill_chunk(params: dict, cfg: TargetConfig, state: TargetState, tokens: j
 
     Returns the logits of the last real token [V] (all P rows [P, V] with all_logits) and taps [P, n_taps, H].
     """
-    x, tapped, state, _ = _forward(params, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, kcfg)
+    x, tapped, state, _ = _forward(model, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, kcfg)
     state = dataclasses.replace(state, length=state.length + n_valid)
     if not all_logits:
         x = jax.lax.dynamic_index_in_dim(x, n_valid - 1, keepdims=False)
-    return _logits(params, cfg, x, kcfg), tapped, state
+    return _logits(model, x, kcfg), tapped, state
 
 
-def verify(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Array, parents: jax.Array,
+def verify(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, parents: jax.Array,
            taps: tuple[int, ...] = (), kcfg: KernelConfig = REFERENCE
            ) -> tuple[jax.Array, jax.Array, TargetState, Verified]:
     """Run a tree of N tokens on top of the committed state: logits [N, V], taps [N, n_taps, H].
@@ -286,8 +353,8 @@ def verify(params: dict, cfg: TargetConfig, state: TargetState, tokens: jax.Arra
     """
     _check_fits(state, tokens)
     block = tree_block(parents)
-    x, tapped, state, verified = _forward(params, cfg, state, tokens, block, taps, None, kcfg)
-    return _logits(params, cfg, x, kcfg), tapped, state, verified
+    x, tapped, state, verified = _forward(model, cfg, state, tokens, block, taps, None, kcfg)
+    return _logits(model, x, kcfg), tapped, state, verified
 
 
 def path_nodes(block: Block, leaf: jax.Array, width: int) -> jax.Array:

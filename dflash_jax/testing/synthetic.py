@@ -19,10 +19,10 @@ import numpy as np
 from dflash_jax.config import DraftConfig, KernelConfig, TargetConfig, load_draft_config, load_target_config
 from dflash_jax.gguf import tensor_specs
 from dflash_jax.kernels import REFERENCE, prepare_matrices, prepare_matrix
-from dflash_jax.load import Draft, Target
-from dflash_jax.models.draft import params_from_tensors as draft_params_from_tensors
+from dflash_jax.load import prepare_target
+from dflash_jax.models.draft import Draft, draft_from_tensors
 from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
-from dflash_jax.models.target import params_from_tensors
+from dflash_jax.models.target import Target, target_from_tensors
 from dflash_jax.quant import QTensor, dequantize
 from dflash_jax.testing.gguf_writer import q4_k_m_rule
 from dflash_jax.testing.random_weights import random_normal, random_qtensor, random_uniform
@@ -62,7 +62,8 @@ def synthetic_target(cfg: TargetConfig, *, kcfg: KernelConfig = REFERENCE, seed:
                      on_tensor: Callable[[str, int], None] | None = None) -> Target:
     """A random target with cfg's shapes and the stock Q4_K_M types (MTP blocks left out), ready for the engine.
 
-    on_tensor(name, stored bytes) is called after each tensor (progress). Returns a `Target` as load_target does.
+    on_tensor(name, stored bytes) is called after each tensor (progress). Returns a `Target` module as load_target
+    does, built from these arrays (none is copied).
     """
     rule, cache, tensors = q4_k_m_rule(cfg), {}, {}
     key = jax.random.key(seed)
@@ -80,9 +81,8 @@ def synthetic_target(cfg: TargetConfig, *, kcfg: KernelConfig = REFERENCE, seed:
         tensors[name] = jax.block_until_ready(x)
         if on_tensor:
             on_tensor(name, nbytes)
-    params = params_from_tensors(cfg, tensors)
-    params = prepare_matrices(params, kcfg, skip=("embed",))  # reference: dequantized when small enough
-    return Target(cfg, params, f"synthetic:{cfg.num_layers}-layer seed {seed}", None, kcfg)
+    # reference: dequantized when small enough
+    return target_from_tensors(cfg, prepare_target(tensors, kcfg), kcfg)
 
 
 def synthetic_draft(cfg: DraftConfig, *, kcfg: KernelConfig = REFERENCE, seed: int = 1) -> Draft:
@@ -96,7 +96,7 @@ def synthetic_draft(cfg: DraftConfig, *, kcfg: KernelConfig = REFERENCE, seed: i
         else:
             w = random_normal(sub, shape, 0.0, 1.0 / math.sqrt(shape[1]))
             tensors[name] = QTensor({"w": w.astype(jnp.bfloat16)}, "BF16", shape)
-    return Draft(cfg, prepare_matrices(draft_params_from_tensors(cfg, tensors), kcfg), f"synthetic seed {seed}")
+    return draft_from_tensors(cfg, prepare_matrices(tensors, kcfg), kcfg)
 
 
 def tree_bytes(tree) -> int:

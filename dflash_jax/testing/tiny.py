@@ -7,6 +7,7 @@ import math
 import os
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import (FULL_ATTENTION, LINEAR_ATTENTION, DraftConfig, TargetConfig, default_target_layer_ids,
@@ -14,7 +15,8 @@ from dflash_jax.config import (FULL_ATTENTION, LINEAR_ATTENTION, DraftConfig, Ta
 from dflash_jax.defaults import host_memory
 from dflash_jax.errors import InputError, run_main
 from dflash_jax.gguf import tensor_specs
-from dflash_jax.models.draft import tensor_shapes
+from dflash_jax.models.draft import Draft, draft_from_tensors, tensor_shapes
+from dflash_jax.models.target import Target, target_from_tensors
 from dflash_jax.testing.gguf_writer import write_gguf
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
@@ -209,3 +211,13 @@ def random_draft_tensors(cfg, seed: int = 0) -> dict[str, np.ndarray]:
         else:
             out[name] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape).astype(np.float32)
     return out
+
+
+def random_target(cfg: TargetConfig, seed: int = 0) -> Target:
+    """A Target of random_gguf_tensors on the device (float32 weights, as the reference path runs them)."""
+    return target_from_tensors(cfg, {k: jnp.asarray(v) for k, v in random_gguf_tensors(cfg, seed).items()})
+
+
+def random_draft(cfg: DraftConfig, seed: int = 0) -> Draft:
+    """A Draft of random_draft_tensors on the device."""
+    return draft_from_tensors(cfg, {k: jnp.asarray(v) for k, v in random_draft_tensors(cfg, seed).items()})

@@ -10,14 +10,17 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import SLIDING_ATTENTION, DraftConfig
-from dflash_jax.models.layers import rms_norm, rope
-from dflash_jax.models.target import embed_tokens, output_logits
+from dflash_jax.kernels import REFERENCE
+from dflash_jax.models.draft import Draft
+from dflash_jax.models.layers import Linear, rope
+from dflash_jax.models.target import Target
 
 NEG = -1e30  # a finite mask value: a row that sees nothing would be NaN with -inf (not that any row here can)
 
 
-def _dense(x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """x @ w.T in the compute dtype, accumulated in float32."""
+def _dense(x: jax.Array, linear: Linear, dtype: jnp.dtype) -> jax.Array:
+    """x @ weight.T of a Linear (float weights) in the compute dtype, accumulated in float32."""
+    w = linear.weight.get_value()
     return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
 
 
@@ -35,19 +38,19 @@ def sample_anchors(key: jax.Array, weights: jax.Array, n: int, block: int) -> tu
     return jnp.where(keep, idx, 1)[order].astype(jnp.int32), keep[order]
 
 
-def block_logits(params: dict, cfg: DraftConfig, target_params: dict, taps: jax.Array, tokens: jax.Array,
+def block_logits(params: Draft, cfg: DraftConfig, target: Target, taps: jax.Array, tokens: jax.Array,
                  anchors: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """Logits [N, B, V] of the blocks rooted at anchors [N] of one sequence (tokens [S], taps [S, n_taps, H])."""
     s, (n, b) = tokens.shape[0], (anchors.shape[0], cfg.block_size)
     hd, kvh, groups = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    eps = cfg.rms_norm_eps
-    fused = rms_norm(_dense(taps.reshape(s, -1), params["fc"], dtype), params["hidden_norm"], eps)
+    fused = params.hidden_norm(_dense(taps.reshape(s, -1), params.fc, dtype))
     ctx_pos = jnp.arange(s)
     pos = anchors[:, None] + jnp.arange(b)[None, :]  # [N, B]
     block_ids = jnp.full((n, b), cfg.mask_token_id, jnp.int32).at[:, 0].set(tokens[anchors])
-    x = embed_tokens(target_params, block_ids.reshape(-1)).reshape(n, b, -1)
+    x = target.embed_tokens(block_ids.reshape(-1)).reshape(n, b, -1)
     slot = jnp.arange(b)
-    for layer, p in enumerate(params["layers"]):
+    for layer, p in enumerate(params.layers):
+        a = p.self_attn
         sliding = cfg.layer_types[layer] == SLIDING_ATTENTION
         ctx_seen = ctx_pos[None, None, :] < anchors[:, None, None]  # [N, 1, S]: strictly before the anchor
         blk_seen = jnp.ones((b, b), bool)
@@ -55,16 +58,15 @@ def block_logits(params: dict, cfg: DraftConfig, target_params: dict, taps: jax.
             w = cfg.sliding_window
             ctx_seen = ctx_seen & (ctx_pos[None, None, :] > pos[:, :, None] - w)
             blk_seen = (slot[None, :] <= slot[:, None]) & (slot[None, :] > slot[:, None] - w)
-        k_ctx = rope(rms_norm(_dense(fused, p["wk"], dtype).reshape(s, kvh, hd), p["k_norm"], eps), ctx_pos, hd,
-                     cfg.rope_theta)
-        v_ctx = _dense(fused, p["wv"], dtype).reshape(s, kvh, hd)
-        u = rms_norm(x, p["attn_norm"], eps).reshape(n * b, -1)
+        k_ctx = rope(a.k_norm(_dense(fused, a.k_proj, dtype).reshape(s, kvh, hd)), ctx_pos, hd, cfg.rope_theta)
+        v_ctx = _dense(fused, a.v_proj, dtype).reshape(s, kvh, hd)
+        u = p.input_layernorm(x).reshape(n * b, -1)
         flat_pos = pos.reshape(-1)
-        q = rope(rms_norm(_dense(u, p["wq"], dtype).reshape(n * b, cfg.num_heads, hd), p["q_norm"], eps), flat_pos,
-                 hd, cfg.rope_theta).reshape(n, b, kvh, groups, hd)
-        k_blk = rope(rms_norm(_dense(u, p["wk"], dtype).reshape(n * b, kvh, hd), p["k_norm"], eps), flat_pos, hd,
+        q = rope(a.q_norm(_dense(u, a.q_proj, dtype).reshape(n * b, cfg.num_heads, hd)), flat_pos, hd,
+                 cfg.rope_theta).reshape(n, b, kvh, groups, hd)
+        k_blk = rope(a.k_norm(_dense(u, a.k_proj, dtype).reshape(n * b, kvh, hd)), flat_pos, hd,
                      cfg.rope_theta).reshape(n, b, kvh, hd)
-        v_blk = _dense(u, p["wv"], dtype).reshape(n, b, kvh, hd)
+        v_blk = _dense(u, a.v_proj, dtype).reshape(n, b, kvh, hd)
         scale = 1.0 / jnp.sqrt(jnp.float32(hd))
         s_ctx = jnp.einsum("nbkgd,skd->nbkgs", q.astype(dtype), k_ctx.astype(dtype),
                            preferred_element_type=jnp.float32) * scale
@@ -77,10 +79,11 @@ def block_logits(params: dict, cfg: DraftConfig, target_params: dict, taps: jax.
                         preferred_element_type=jnp.float32)
              + jnp.einsum("nbkgc,nckd->nbkgd", probs[..., s:].astype(dtype), v_blk.astype(dtype),
                           preferred_element_type=jnp.float32))
-        x = x + _dense(o.reshape(n, b, -1), p["wo"], dtype)
-        h = rms_norm(x, p["ffn_norm"], eps)
-        x = x + _dense(jax.nn.silu(_dense(h, p["w_gate"], dtype)) * _dense(h, p["w_up"], dtype), p["w_down"], dtype)
-    return output_logits(target_params, rms_norm(x, params["norm"], eps))
+        x = x + _dense(o.reshape(n, b, -1), a.o_proj, dtype)
+        h, mlp = p.post_attention_layernorm(x), p.mlp
+        x = x + _dense(jax.nn.silu(_dense(h, mlp.gate_proj, dtype)) * _dense(h, mlp.up_proj, dtype), mlp.down_proj,
+                       dtype)
+    return target.lm_head(params.norm(x), REFERENCE)
 
 
 def slot_weights(block: int, gamma: float) -> jax.Array:

@@ -1,18 +1,23 @@
 """Training a Qwen3.5-architecture target from scratch with the engine's own forward (the reference path):
 initialisation in the engine's GGUF conventions, next-token loss over packed sequences, and the tensors to write.
 
-The one reparametrisation: the GDN decay `ssm_a = -exp(a_log)` is trained as `a_log`, so it stays negative. Value
-heads need no reordering: a model trained from scratch in the tiled order is simply that model."""
+The trained params are the `nnx.Param` state of a Target (`nnx.state`, what a checkpoint holds), with one
+reparametrisation: each GDN layer's `A = ssm_a = -exp(A_log)` holds A_log there, so that A stays negative. A tied
+head shares the embedding's variable, so the state holds it once. Value heads need no reordering: a model trained
+from scratch in the tiled order is simply that model."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.gguf import tensor_specs
-from dflash_jax.models.target import LAYER_PARAMS, params_from_tensors
+from dflash_jax.models.target import Target, target_from_tensors, target_tensors
 from dflash_jax.testing.tiny import tiny_target_config
 from dflash_jax.training.features import sequence_logits
 from dflash_jax.training.loop import Trainer, TrainConfig
@@ -54,45 +59,51 @@ def init_tensors(cfg: TargetConfig, key: jax.Array, std: float = 0.02) -> dict[s
     return out
 
 
-def to_trainable(params: dict, tied: bool) -> dict:
-    """The engine's parameter pytree with each GDN layer's ssm_a as a_log (trained so that ssm_a stays negative),
-    and no lm_head leaf when the head is tied to the embedding (the engine's pytree holds it twice)."""
-    layers = tuple({**{k: v for k, v in p.items() if k != "ssm_a"}, "a_log": jnp.log(-p["ssm_a"])} if "ssm_a" in p
-                   else p for p in params["layers"])
-    return {**{k: v for k, v in params.items() if not (tied and k == "lm_head")}, "layers": layers}
+def _is_a(path: tuple) -> bool:
+    """Whether a state path is a GDN layer's A (its variable's value under the key "A")."""
+    return any(getattr(k, "key", None) == "A" for k in path[-2:])
 
 
-def to_engine(params: dict) -> dict:
-    """The inverse of to_trainable: the pytree the engine's functions take."""
-    layers = tuple({**{k: v for k, v in p.items() if k != "a_log"}, "ssm_a": -jnp.exp(p["a_log"])} if "a_log" in p
-                   else p for p in params["layers"])
-    return {"lm_head": params["embed"], **params, "layers": layers}
+def to_trainable(state: nnx.State) -> nnx.State:
+    """A Target's Param state with each GDN layer's A as A_log = log(-A) (trained so that A stays negative)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: jnp.log(-x) if _is_a(p) else x, state)
 
 
-def init_params(cfg: TargetConfig, key: jax.Array) -> dict:
+@functools.lru_cache(maxsize=None)
+def _graph(cfg: TargetConfig) -> nnx.GraphDef:
+    """The graph of a Target of this config (from shapes alone), its head tied where the config says."""
+    specs = {name: jax.ShapeDtypeStruct(spec.shape, jnp.float32) for name, spec in tensor_specs(cfg).items()
+             if not spec.optional}
+    return nnx.graphdef(target_from_tensors(cfg, specs))
+
+
+def to_engine(params: nnx.State, cfg: TargetConfig) -> Target:
+    """The inverse of to_trainable, as the Target the engine's functions take."""
+    engine = jax.tree_util.tree_map_with_path(lambda p, x: -jnp.exp(x) if _is_a(p) else x, params)
+    return nnx.merge(_graph(cfg), engine)
+
+
+def init_params(cfg: TargetConfig, key: jax.Array) -> nnx.State:
     """Trainable float32 parameters (see init_tensors)."""
-    engine = jax.tree.map(jnp.asarray, params_from_tensors(cfg, init_tensors(cfg, key)))
-    return to_trainable(engine, cfg.tie_word_embeddings)
+    model = target_from_tensors(cfg, {name: jnp.asarray(x) for name, x in init_tensors(cfg, key).items()})
+    return to_trainable(nnx.state(model, nnx.Param))
 
 
-def lm_loss(params: dict, cfg: TargetConfig, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+def lm_loss(params: nnx.State, cfg: TargetConfig, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean next-token cross-entropy of a batch of sequences [batch, S] and the accuracy."""
-    logits = jax.vmap(lambda t: sequence_logits(to_engine(params), cfg, t))(tokens)[:, :-1]
+    model = to_engine(params, cfg)
+    logits = jax.vmap(lambda t: sequence_logits(model, cfg, t))(tokens)[:, :-1]
     labels = tokens[:, 1:]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     loss = -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
     return loss, {"loss": loss, "acc": jnp.mean(jnp.argmax(logits, axis=-1) == labels)}
 
 
-def tensors_to_write(params: dict, cfg: TargetConfig) -> dict[str, np.ndarray]:
+def tensors_to_write(params: nnx.State, cfg: TargetConfig) -> dict[str, np.ndarray]:
     """Float32 tensors by GGUF name from trained parameters (for the GGUF writer)."""
-    engine = to_engine(params)
-    out = {"token_embd.weight": np.asarray(engine["embed"]), "output_norm.weight": np.asarray(engine["norm"])}
-    if not cfg.tie_word_embeddings:
-        out["output.weight"] = np.asarray(engine["lm_head"])
-    for i, p in enumerate(engine["layers"]):
-        out.update({f"blk.{i}.{name}": np.asarray(p[short]) for name, short in LAYER_PARAMS.items() if short in p})
-    return out
+    tensors = target_tensors(to_engine(params, cfg))
+    return {name: np.asarray(x) for name, x in tensors.items()
+            if not (cfg.tie_word_embeddings and name == "output.weight")}
 
 
 def target_trainer(cfg: TargetConfig, tc: TrainConfig) -> Trainer:
