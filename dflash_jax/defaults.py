@@ -11,7 +11,8 @@ import dataclasses
 
 import jax
 
-from dflash_jax.config import DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, ConfigError, EngineConfig, KernelConfig
+from dflash_jax.config import (DRAFT_CTX, DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, ConfigError, EngineConfig,
+                               KernelConfig)
 
 DEVICE_CLASSES = ("cpu", "gpu", "hopper")
 
@@ -104,14 +105,22 @@ def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | No
 
 
 def resolve_engine(mode: str = "ddtree", *, budget: int | None = None, topk: int = 8, chain_seed: bool | None = None,
-                   max_ctx: int = 4096, kv_type: str | None = None, draft_rule: str = "coupled",
+                   max_ctx: int = 4096, kv_type: str | None = None, kv_type_k: str | None = None,
+                   kv_type_v: str | None = None, draft_ctx: int | None = None, draft_rule: str = "coupled",
                    device: str | None = None) -> EngineConfig:
-    """The EngineConfig of the decoding flags, a None taking the device class's default (budget, KV type)."""
+    """The EngineConfig of the decoding flags, a None taking the device class's default (budget, KV type; K's and
+    V's types default to kv_type; the drafter's context bound EngineConfig's, 0 for the whole context)."""
     defaults = DEVICE_DEFAULTS[device or device_class()]
-    if kv_type is not None and kv_type not in KV_TYPES:
-        raise ConfigError(f"kv_type must be one of {', '.join(KV_TYPES)}; got {kv_type!r}")
+    for name, value in (("kv_type", kv_type), ("kv_type_k", kv_type_k), ("kv_type_v", kv_type_v)):
+        if value is not None and value not in KV_TYPES:
+            raise ConfigError(f"{name} must be one of {', '.join(KV_TYPES)}; got {value!r}")
+    if draft_ctx is not None and draft_ctx < 0:
+        raise ConfigError(f"draft_ctx must be at least 0 (0: the whole context); got {draft_ctx}")
     if draft_rule not in DRAFT_RULES:
         raise ConfigError(f"draft_rule must be one of {', '.join(DRAFT_RULES)}; got {draft_rule!r}")
+    kv_type = kv_type or defaults.kv_type
     return EngineConfig(mode=mode, budget=defaults.budget if budget is None else budget, topk=topk,
-                        chain_seed=chain_seed, max_ctx=max_ctx, kv_type=kv_type or defaults.kv_type,
-                        draft_rule=draft_rule)
+                        chain_seed=chain_seed, max_ctx=max_ctx, kv_type=kv_type,
+                        draft_rule=draft_rule, kv_type_k=None if kv_type_k == kv_type else kv_type_k,
+                        kv_type_v=None if kv_type_v == kv_type else kv_type_v,
+                        draft_ctx=DRAFT_CTX if draft_ctx is None else draft_ctx or None)

@@ -25,7 +25,7 @@ import time
 from typing import Sequence
 
 from dflash_jax import assets
-from dflash_jax.config import DRAFT_RULES, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
+from dflash_jax.config import DRAFT_CTX, DRAFT_RULES, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, free_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
@@ -187,10 +187,12 @@ def _backend() -> str:
 def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_rows: int | None = None
                   ) -> tuple[EngineConfig, KernelConfig]:
     """The engine and kernel configuration of the decoding flags (`f.mode`, `budget`, `topk`, `chain_seed`,
-    `max_ctx`, `kv_type`, `draft_rule`, `mgpu`, `numerics`), None flags taking the device class's defaults
-    (dflash_jax/defaults.py): the one resolution every command and benchmark goes through."""
+    `max_ctx`, `kv_type`, `kv_type_k`, `kv_type_v`, `draft_ctx`, `draft_rule`, `mgpu`, `numerics`), None flags
+    taking the device class's defaults (dflash_jax/defaults.py): the one resolution every command and benchmark goes
+    through."""
     ecfg = resolve_engine(f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed,
                           max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_type=f.kv_type,
+                          kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v, draft_ctx=f.draft_ctx,
                           draft_rule=f.draft_rule)
     kcfg = resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics)
     return ecfg, kcfg
@@ -234,6 +236,14 @@ def prompt_input(f) -> tuple[list[int] | None, str | None]:
     return None, text
 
 
+def kv_cache_words(ecfg: EngineConfig) -> str:
+    """The KV caches' types and the drafter's context bound, as --stats prints them."""
+    k, v = ecfg.kv_types
+    types = f"{k} KV cache" if k == v else f"{k} K / {v} V cache"
+    context = "the whole context" if ecfg.draft_ctx is None else f"the last {ecfg.draft_ctx} tokens"
+    return types + ("" if ecfg.mode == "ar" else f"; the drafter sees {context}")
+
+
 def stats_line(ecfg: EngineConfig, engine: Engine, kcfg: KernelConfig, models: Models, prompt_len: int,
                gen, sampling: SamplingParams) -> str:
     """What --stats prints."""
@@ -241,7 +251,7 @@ def stats_line(ecfg: EngineConfig, engine: Engine, kcfg: KernelConfig, models: M
             f"{gen.prefill_s:.2f} s (with compiling); decode {sum(gen.accept_lengths)} tokens in {gen.decode_s:.2f} s "
             f"over {gen.steps} steps, acceptance length {gen.mean_accept_length:.2f}: first step "
             f"{gen.first_step_s:.2f} s (with compiling), then {gen.steady_tokens_per_s:.1f} tok/s; {_backend()} "
-            f"({device_class()}): {kcfg.describe()}; {ecfg.kv_type} KV cache; {sampling.describe()}")
+            f"({device_class()}): {kcfg.describe()}; {kv_cache_words(ecfg)}; {sampling.describe()}")
 
 
 def run(argv: Sequence[str]) -> int:
@@ -293,6 +303,7 @@ def run(argv: Sequence[str]) -> int:
                    stopped=gen.stopped, load_s=models.load_s, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
                    steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, kv_type=ecfg.kv_type,
+                   kv_type_k=ecfg.kv_types[0], kv_type_v=ecfg.kv_types[1], draft_ctx=ecfg.draft_ctx,
                    backend=_backend(), device_class=device_class(), kernels=dataclasses.asdict(kcfg),
                    sampling=dataclasses.asdict(sampling))
         if tracer is not None:
@@ -366,6 +377,14 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
                       "it is written: q8_0 (8.5 bits a value), q4_0 (4.5) or rq3_0 (3.5, rotated); docs/kv_cache.md. "
                       "Quantized types run on a CPU so far (the GPU attention kernel reads float caches). Default: "
                       "bf16 on a GPU, f32 on a CPU.", flag_values=fv)
+    flags.DEFINE_enum("kv_type_k", None, list(KV_TYPES), "The keys' KV cache type (default: --kv_type), e.g. q8_0 "
+                      "keys beside bf16 values.", flag_values=fv)
+    flags.DEFINE_enum("kv_type_v", None, list(KV_TYPES), "The values' KV cache type (default: --kv_type).",
+                      flag_values=fv)
+    flags.DEFINE_integer("draft_ctx", None, "The drafter's full-attention layers see only the last this many "
+                         "tokens, kept in a ring (its sliding-window layers keep a ring of their window); 0: the whole "
+                         f"context. Default: {DRAFT_CTX}, as the C++ engine. It changes the acceptance, never the "
+                         "output (docs/kv_cache.md).", lower_bound=0, flag_values=fv)
     flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K and Q6_K products on the Mosaic GPU "
                          "kernels, their layout replacing the Triton kernels'. Default: on on a Hopper GPU, else off "
                          "(--nomgpu).", flag_values=fv)

@@ -79,12 +79,6 @@ class KVType:
         """Bits per stored value, scales included."""
         return 8 * self.block_bytes / BLOCK if self.blocked else 8 * np.dtype(self.dtype).itemsize
 
-    @property
-    def draft_dtype(self) -> jnp.dtype:
-        """The dtype of the drafter's context cache under this type: a block type's is bfloat16 (the drafter's cache
-        is not quantized yet, issue 43 item 2)."""
-        return jnp.dtype(self.dtype or jnp.bfloat16)
-
 
 TYPES: dict[str, KVType] = {t.name: t for t in (
     KVType("f32", dtype="float32"),

@@ -86,13 +86,13 @@ def read_ids(spec: str, flag: str = "--ids") -> np.ndarray:
 
 
 def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_type: str = "f32",
-          slots: int | None = None) -> Score:
-    """Teacher-forced logits of every position of ids (a float32 KV cache by default, the reference precision), in a
-    cache of `slots` (default: the sequence rounded up to the chunk; one size for sequences of several lengths
-    compiles the chunk once)."""
+          v_type: str | None = None, slots: int | None = None) -> Score:
+    """Teacher-forced logits of every position of ids (a float32 KV cache by default, the reference precision; the
+    values in `v_type` if given), in a cache of `slots` (default: the sequence rounded up to the chunk; one size for
+    sequences of several lengths compiles the chunk once)."""
     cfg = model.config
     ids = check_tokens(cfg, ids)
-    state = init_state(cfg, slots=slots or -(-len(ids) // chunk) * chunk, kv_type=kv_type)
+    state = init_state(cfg, slots=slots or -(-len(ids) // chunk) * chunk, kv_type=kv_type, v_type=v_type)
     logits = []
     for _, lg, _, state in prefill_chunks(model, cfg, state, ids, chunk=chunk, all_logits=True,
                                           kcfg=model.kcfg):
@@ -119,7 +119,7 @@ def out_path(out: str | None) -> str | None:
     return path
 
 
-def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_type: str) -> None:
+def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_types: tuple[str, str]) -> None:
     """Refuse, before loading the weights, a sequence or chunk longer than the model's context, and logits or caches
     that would not fit the free memory."""
     context = cfg.max_position_embeddings
@@ -132,7 +132,7 @@ def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_type: str) -> None:
         raise InputError(f"the logits of {n} tokens need {logits / 2**30:.2f} GiB, but the host has "
                          f"{host / 2**30:.2f} GiB free")
     slots = -(-n // chunk) * chunk
-    shapes = jax.eval_shape(lambda: init_state(cfg, slots, kv_type))
+    shapes = jax.eval_shape(lambda: init_state(cfg, slots, *kv_types))
     cache, free = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)), free_memory()
     if free is not None and cache > free:
         raise InputError(f"the caches of {slots} tokens need {cache / 2**30:.2f} GiB, but the device has "
@@ -154,7 +154,7 @@ def run(argv: list[str]) -> int:
     out = out_path(f.out)
     ids = read_ids(f.ids) if f.ids is not None else None
     text = require_utf8(f.text, "--text") if f.text is not None else None
-    kv_type = resolve_engine(kv_type=f.kv_type).kv_type
+    kv_types = resolve_engine(kv_type=f.kv_type, kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v).kv_types
     # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
     kcfg = resolve_kernels("ddtree")
     t0 = time.perf_counter()
@@ -162,10 +162,10 @@ def run(argv: list[str]) -> int:
     if ids is None:
         ids = np.asarray(target_tokenizer(target).encode(text))
     check_tokens(target.config, ids)
-    check_fits(target.config, len(ids), f.chunk, kv_type)
+    check_fits(target.config, len(ids), f.chunk, kv_types)
     model = load_target(target, kcfg=kcfg)
     t1 = time.perf_counter()
-    result = score(model, ids, chunk=f.chunk, kv_type=kv_type)
+    result = score(model, ids, chunk=f.chunk, kv_type=kv_types[0], v_type=kv_types[1])
     t2 = time.perf_counter()
     if out:
         np.save(out, result.logits)
@@ -195,4 +195,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).", lower_bound=1)
     flags.DEFINE_enum("kv_type", None, list(KV_TYPES), "KV cache type, as generate's --kv_type (default: bf16 on a "
                       "GPU, f32 on a CPU).")
+    flags.DEFINE_enum("kv_type_k", None, list(KV_TYPES), "The keys' KV cache type (default: --kv_type).")
+    flags.DEFINE_enum("kv_type_v", None, list(KV_TYPES), "The values' KV cache type (default: --kv_type).")
     app.run(main, flags_parser=lambda argv: parse_flags(argv, "score"))

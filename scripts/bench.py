@@ -15,9 +15,10 @@ The JSON is rewritten after each section (`--time_limit` keeps what finished); a
 `--model tiny` runs the same on a tiny random pair (a quick check, also on a CPU).
 
 The engine and kernel configuration come from the flags `generate` takes (--budget, --topk, --chain_seed, --kv_type,
---mgpu; plus --impl and --small_rows), resolved by the same function (dflash_jax/defaults.py): with no flags the
-benchmark runs what `generate` runs on this device, for a DDTree. The pair is laid out once, for the tree modes, and
-the AR rows run that layout too (every device class lays out ar as it does the tree modes). Each forced run records
+--kv_type_k, --kv_type_v, --draft_ctx, --mgpu; plus --impl and --small_rows), resolved by the same function
+(dflash_jax/defaults.py): with no flags the benchmark runs what `generate` runs on this device, for a DDTree. The pair
+is laid out once, for the tree modes, and the AR rows run that layout too (every device class lays out ar as it does
+the tree modes). Each forced run records
 where its tokens first differ from AR's (`differs_from_ar_at`: None where they are equal, speculative decoding's
 exactness on the 27B).
 """
@@ -50,6 +51,7 @@ from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.sampling import GREEDY  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
+from dflash_jax.generate import kv_cache_words  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
 from dflash_jax.testing import synthetic  # noqa: E402
@@ -227,20 +229,24 @@ def fill_random(cache, key: jax.Array, pages: int, page: int):
 
 def fake_context(state, length: int, seed: int = 0):
     """The decode state (donated) with `length` committed tokens of random keys and values (target and drafter
-    caches), for timing long contexts without prefilling them; GDN and conv state stay as they were."""
+    caches; a drafter's ring filled whole), for timing long contexts without prefilling them; GDN and conv state stay
+    as they were."""
     key = jax.random.key(seed)
 
-    def rand(x, i):  # slots 0..length-1 of each layer, a page at a time
-        if length > x.shape[1]:
+    def rand(x, i, ring=False):  # slots 0..length-1 of each layer (all of a ring's), a page at a time
+        n = min(length, x.shape[1]) if ring else length
+        if n > x.shape[1]:
             raise ValueError(f"a context of {length} tokens does not fit a cache of {x.shape[1]} slots")
-        size = max(1, min(FILL_PAGE, length))
-        return fill_random(x, jax.random.fold_in(key, i), pages=-(-length // size), page=size)
+        size = max(1, min(FILL_PAGE, n))
+        return fill_random(x, jax.random.fold_in(key, i), pages=-(-n // size), page=size)
 
     t = state.target
     t = dataclasses.replace(t, k=rand(t.k, 0), v=rand(t.v, 1), length=jnp.int32(length))
     d = state.draft
     if d is not None:
-        d = dataclasses.replace(d, k=rand(d.k, 2), v=rand(d.v, 3), length=jnp.int32(length))
+        d = dataclasses.replace(d, k=tuple(rand(x, 2 + 2 * g, ring) for g, (x, ring) in enumerate(zip(d.k, d.rings))),
+                                v=tuple(rand(x, 3 + 2 * g, ring) for g, (x, ring) in enumerate(zip(d.v, d.rings))),
+                                length=jnp.int32(length))
     return dataclasses.replace(state, target=t, draft=d)
 
 
@@ -392,7 +398,7 @@ def run(args: argparse.Namespace) -> None:
     log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s (read + write), read stream {res['read_rate'] / 1e9:.0f} GB/s")
     base, kcfg = engine_settings(args)  # what `generate` runs with the same flags (a DDTree; AR rows below)
     res["engine"], res["kernels"] = dataclasses.asdict(base), dataclasses.asdict(kcfg)
-    log(f"{kcfg.describe()}; {base.kv_type} KV cache, DDTree budget {base.budget}")
+    log(f"{kcfg.describe()}; {kv_cache_words(base)}, DDTree budget {base.budget}")
     target, draft, info = make_models(args.model, kcfg, log)
     res["models"] = info | {"memory_after_load": memory()}
     log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "
@@ -495,7 +501,7 @@ def run(args: argparse.Namespace) -> None:
                 res["oracle_ms"] = oracle_ms(engine, args.iters)
             diff = row["differs_from_ar_at"]
             if diff is not None:  # a near-tie, or a break of exactness: the top-2 logit gap there tells which
-                row["margin_at_difference"] = margin(target, prompt, sequence[:diff], GREEDY, base.kv_type)
+                row["margin_at_difference"] = margin(target, prompt, sequence[:diff], GREEDY, base.kv_types)
             res["steps"].append(row)
             at = "" if diff is None else f" (top-2 logit gap {row['margin_at_difference']['margin']:.2g})"
             log(f"{mode} {budget}: step {row['step_ms']:.2f} ms ({row['step_over_ar']:.2f} x AR), AL "

@@ -16,6 +16,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.config import DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
 from dflash_jax.generate import resolve_flags
@@ -30,6 +31,12 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
     ap.add_argument("--chain_seed", action=argparse.BooleanOptionalAction, default=None,
                     help="seed the DDTree with the draft's top-1 chain (default: when the budget exceeds its depth)")
     ap.add_argument("--kv_type", choices=KV_TYPES, default=None, help="KV cache type (default: the device's)")
+    ap.add_argument("--kv_type_k", choices=KV_TYPES, default=None, help="the keys' KV cache type (default: --kv_type)")
+    ap.add_argument("--kv_type_v", choices=KV_TYPES, default=None,
+                    help="the values' KV cache type (default: --kv_type)")
+    ap.add_argument("--draft_ctx", type=int, default=None,
+                    help="the drafter's full-attention layers see the last this many tokens (0: all; default: "
+                         "generate's)")
     ap.add_argument("--impl", choices=("auto",) + IMPLS, default="auto",
                     help="kernels: auto (the device's), reference, pallas (interpret mode on a CPU)")
     ap.add_argument("--mgpu", action=argparse.BooleanOptionalAction, default=None,
@@ -179,6 +186,14 @@ def parse_options(text: str) -> dict[str, int | str]:
     gives {}."""
     return {key: int(value) if value.lstrip("-").isdigit() else value
             for key, value in (item.split("=") for item in text.split(",") if item)}
+
+
+def concatenated(sequences: list, length: int, count: int) -> list[np.ndarray]:
+    """`count` token sequences of `length` ids made by concatenating `sequences` in order (cycling when they run
+    short): long prompts from a set of short ones."""
+    pool = np.concatenate([np.asarray(s, np.int32) for s in sequences])
+    pool = np.tile(pool, -(-length * count // len(pool)))
+    return [pool[i * length:(i + 1) * length] for i in range(count)]
 
 
 def environment() -> dict:

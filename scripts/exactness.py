@@ -29,15 +29,16 @@ from benchlib import (add_engine_flags, add_pair_flags, engine_settings, environ
                       load_pair, pair_paths, sampling_settings)
 
 
-def margin(target, prompt: list[int], common: list[int], sp, kv_type: str) -> dict:
-    """The decision margin at the token after prompt + common: top-2 gap of the logits or the perturbed scores."""
+def margin(target, prompt: list[int], common: list[int], sp, kv_types: tuple[str, str]) -> dict:
+    """The decision margin at the token after prompt + common, with K and V caches of kv_types: top-2 gap of the
+    logits or the perturbed scores."""
     import jax.numpy as jnp
 
     from dflash_jax.engine.sampling import gumbel_noise, perturbed_scores
     from dflash_jax.score import score
 
     ids = np.asarray(prompt + common)
-    logits = jnp.asarray(score(target, ids, kv_type=kv_type).logits[-1:])
+    logits = jnp.asarray(score(target, ids, kv_type=kv_types[0], v_type=kv_types[1]).logits[-1:])
     scores = logits
     if not sp.greedy:
         noise = gumbel_noise(jnp.uint32(sp.seed), jnp.asarray([len(ids)]), logits.shape[-1])
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                 at = first_difference(got, want)
                 if at is not None:
                     diverged.append({"prompt": i, "position": at,
-                                     **margin(target, prompts[i], want[:at], sp, base.kv_type)})
+                                     **margin(target, prompts[i], want[:at], sp, base.kv_types)})
             label = f"{mode} {budget or ''}".strip()
             rows.append({"mode": mode, "budget": budget or None, "same_as_ar": len(prompts) - len(diverged),
                          "prompts": len(prompts), "diverged": diverged})

@@ -25,7 +25,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchlib import environment  # noqa: E402
+from benchlib import concatenated, environment  # noqa: E402
 
 from dflash_jax.config import IMPLS, KV_TYPES  # noqa: E402
 
@@ -43,10 +43,7 @@ def sequences(tok, sets: list[str], ids: list[str], limit: int, long: int, n_lon
     for spec in ids:
         groups[Path(spec).stem] = [read_ids(spec, "--ids").astype(np.int32)]
     if long:
-        pool = np.concatenate([s for group in groups.values() for s in group])
-        reps = -(-long * n_long // len(pool))
-        pool = np.tile(pool, reps)
-        groups[f"long {long}"] = [pool[i * long:(i + 1) * long] for i in range(n_long)]
+        groups[f"long {long}"] = concatenated([s for group in groups.values() for s in group], long, n_long)
     return groups
 
 
@@ -57,6 +54,12 @@ def divergence(ref: np.ndarray, got: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return np.sum(np.exp(lp) * (lp - lq), axis=-1), np.argmax(ref, -1) == np.argmax(got, -1)
 
 
+def split_type(spec: str) -> tuple[str, str]:
+    """(K's type, V's type) of a --types entry: a type for both, or K/V (e.g. q8_0/bf16)."""
+    k, _, v = spec.partition("/")
+    return k, v or k
+
+
 def measure(model, groups: dict[str, list[np.ndarray]], types: list[str], chunk: int) -> list[dict]:
     """One row per (group, type): mean KLD, top-1 agreement and positions, over every position of the group's
     sequences (and a row per type over all groups)."""
@@ -64,19 +67,22 @@ def measure(model, groups: dict[str, list[np.ndarray]], types: list[str], chunk:
     from dflash_jax.score import score
 
     slots = -(-max(len(s) for g in groups.values() for s in g) // chunk) * chunk  # one compilation per type
+    pairs = {t: split_type(t) for t in types}
     kl = {(g, t): [] for g in groups for t in types}
     agree = {(g, t): [] for g in groups for t in types}
     for g, seqs in groups.items():
         for ids in seqs:
             ref = score(model, ids, chunk=chunk, kv_type="f32", slots=slots).logits
             for t in types:
-                d, a = divergence(ref, score(model, ids, chunk=chunk, kv_type=t, slots=slots).logits)
+                k, v = pairs[t]
+                d, a = divergence(ref, score(model, ids, chunk=chunk, kv_type=k, v_type=v, slots=slots).logits)
                 kl[g, t].append(d)
                 agree[g, t].append(a)
         print(f"{g}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens", file=sys.stderr, flush=True)
 
     def row(group, t, d, a):
-        return {"group": group, "kv_type": t, "bits": kv_type(t).bits, "positions": int(d.size),
+        bits = sum(kv_type(x).bits for x in pairs[t]) / 2
+        return {"group": group, "kv_type": t, "bits": bits, "positions": int(d.size),
                 "mean_kld": float(d.mean()), "top1_agreement": float(a.mean())}
 
     rows = [row(g, t, np.concatenate(kl[g, t]), np.concatenate(agree[g, t])) for g in groups for t in types]
@@ -91,9 +97,9 @@ def table(report: dict) -> str:
     lines = [f"# {report['device']} ({report['backend']}, impl {report['impl']}), jax {report['jax']}, "
              f"{report['date']}; target {report['target']}; KLD vs f32 KV, nats per position",
              f"# {report['command']}",
-             f"{'group':>14} {'kv_type':>8} {'bits':>5} {'positions':>9} {'mean KLD':>10} {'top-1 agree':>11}"]
+             f"{'group':>14} {'kv_type':>10} {'bits':>5} {'positions':>9} {'mean KLD':>10} {'top-1 agree':>11}"]
     for r in report["rows"]:
-        lines.append(f"{r['group']:>14} {r['kv_type']:>8} {r['bits']:5.1f} {r['positions']:9d} "
+        lines.append(f"{r['group']:>14} {r['kv_type']:>10} {r['bits']:5.1f} {r['positions']:9d} "
                      f"{r['mean_kld']:10.2e} {100 * r['top1_agreement']:10.2f}%")
     return "\n".join(lines) + "\n"
 
@@ -106,15 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=16, help="first N prompts of each set (0: all)")
     ap.add_argument("--long", type=int, default=0, help="also sequences of this many tokens, concatenated prompts")
     ap.add_argument("--n_long", type=int, default=2, help="how many long sequences")
-    ap.add_argument("--types", default=",".join(t for t in KV_TYPES if t != "f32"), help="KV types against f32")
+    ap.add_argument("--types", default=",".join(t for t in KV_TYPES if t != "f32"),
+                    help="KV types against f32: a type for K and V, or K/V (e.g. q8_0/bf16); comma-separated")
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per compiled call)")
     ap.add_argument("--impl", choices=IMPLS, default="reference", help="kernels (pallas: interpret mode on a CPU)")
     ap.add_argument("--out", type=Path, required=True, help="results JSON (a .txt table is written beside it)")
     args = ap.parse_args(argv)
     types = [t for t in args.types.split(",") if t]
-    bad = [t for t in types if t not in KV_TYPES]
+    bad = [t for t in types if not all(x in KV_TYPES for x in split_type(t))]
     if bad:
-        ap.error(f"--types: {', '.join(bad)} not among {', '.join(KV_TYPES)}")
+        ap.error(f"--types: {', '.join(bad)} not among {', '.join(KV_TYPES)} (or K/V pairs of them)")
 
     from dflash_jax import assets
     from dflash_jax.defaults import resolve_kernels

@@ -29,3 +29,25 @@ def test_acceptance_script_measures_each_configuration(tiny_gguf_path, tmp_path,
     assert (report["kernels"]["impl"], report["kv_type"], report["chain_seed"]) == ("reference", "f32", "auto")
     table = (tmp_path / "r.txt").read_text()
     assert table == capsys.readouterr().out.rstrip("\n") + "\n" and "ddtree      3" in table and "1.00x" in table
+
+
+def test_acceptance_script_sweeps_drafter_contexts_over_long_prompts(tiny_gguf_path, tmp_path):
+    """--long makes prompts of concatenated ones; --draft_ctxs runs chain and the trees at each drafter context bound
+    against one AR reference, every output equal to AR's."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import acceptance
+
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("def f(x):\n", "import os\n", "x = [1, 2")))
+    out = tmp_path / "r.json"
+    acceptance.main(["--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--sets", str(prompts),
+                     "--n_gen", "8", "--budgets", "3", "--long", "40", "--n_long", "2", "--draft_ctxs", "0,16",
+                     "--out", str(out)])
+    report = json.loads(out.read_text())
+    s = report["sets"]["code-40"]
+    assert (s["prompts"], s["prompt_tokens"]) == (2, 80)
+    assert [(r["mode"], r["budget"], r["draft_ctx"]) for r in s["results"]] == [
+        ("ar", None, None), ("chain", None, None), ("ddtree", 3, None), ("chain", None, 16), ("ddtree", 3, 16)]
+    assert all(r["same_as_ar"] == 2 for r in s["results"])
+    table = (tmp_path / "r.txt").read_text().splitlines()
+    assert table[1] == "# " + report["command"] and table[-1].split()[-1] == "16" and table[-3].split()[-1] == "all"

@@ -105,7 +105,8 @@ def test_bench_resolves_the_configuration_generate_resolves():
     fv(["generate"])
     assert engine_settings(bench.parse_args(["--out", "x.json"])) == generate.resolve_flags(fv, max_ctx=4096)
     for flagged in (["--budget", "5", "--topk", "3", "--chain_seed", "--kv_type", "bf16", "--nomgpu"],
-                    ["--budget", "30", "--nochain_seed", "--kv_type", "f32"]):
+                    ["--budget", "30", "--nochain_seed", "--kv_type", "f32"],
+                    ["--kv_type_k", "q8_0", "--kv_type_v", "f16", "--draft_ctx", "512"]):
         fv(["generate", *flagged])
         assert engine_settings(bench.parse_args(["--out", "x.json", *flagged])) == generate.resolve_flags(
             fv, max_ctx=4096)

@@ -55,6 +55,17 @@ def test_flags_override_the_table():
                                 draft_rule="tempered")
 
 
+def test_keys_and_values_take_their_own_types_and_the_drafter_a_context_bound():
+    """K's and V's types default to --kv_type (a type equal to it is no separate choice: one configuration, one
+    compilation); the drafter's context is bounded at 2048 tokens unless asked otherwise (0: the whole context)."""
+    ecfg = resolve_engine(kv_type_k="q8_0", device="gpu")
+    assert ecfg.kv_types == ("q8_0", "bf16") and ecfg.draft_ctx == EngineConfig().draft_ctx == 2048
+    assert resolve_engine(kv_type="q4_0", kv_type_v="f16", draft_ctx=512, device="cpu").kv_types == ("q4_0", "f16")
+    assert resolve_engine(draft_ctx=512).draft_ctx == 512 and resolve_engine(draft_ctx=0).draft_ctx is None
+    assert resolve_engine(kv_type="bf16", kv_type_k="bf16", kv_type_v="bf16") == resolve_engine(kv_type="bf16")
+    assert EngineConfig(kv_type="q8_0", kv_type_v="f32").kv_types == ("q8_0", "f32")
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: resolve_kernels(mgpu=True, device="gpu"), "needs a Hopper GPU"),
     (lambda: resolve_kernels(mgpu=True, device="cpu"), "needs a Hopper GPU"),
@@ -62,6 +73,12 @@ def test_flags_override_the_table():
     (lambda: resolve_kernels(device="tpu"), "device class 'tpu'"),
     (lambda: resolve_engine(kv_type="fp8"), "kv_type must be one of f32, bf16, f16, q8_0, q4_0, rq3_0"),
     (lambda: resolve_engine(draft_rule="greedy"), "draft_rule must be one of coupled, tempered, plain"),
+    (lambda: resolve_engine(kv_type_k="fp8"), "kv_type_k must be one of f32, bf16, f16, q8_0, q4_0, rq3_0"),
+    (lambda: resolve_engine(kv_type_v="q3_0"), "kv_type_v must be one of f32, bf16"),
+    (lambda: resolve_engine(draft_ctx=-1), r"draft_ctx must be at least 0 \(0: the whole context\); got -1"),
+    (lambda: EngineConfig(draft_ctx=0), r"draft_ctx 0 must be at least 1 \(None: the whole context\)"),
+    (lambda: EngineConfig(kv_type_v="fp8"), "kv_type_v 'fp8' is not one of f32"),
+    (lambda: EngineConfig(kv_type=None), "kv_type None is not one of f32"),
     (lambda: resolve_kernels(numerics="approx"), "numerics must be one of exact, fast"),
     (lambda: KernelConfig(numerics="approx"), "numerics 'approx'"),
     (lambda: KernelConfig(impl="pallas", interpret=True, mgpu="only"), "needs impl 'pallas' on a Hopper GPU"),

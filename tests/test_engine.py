@@ -230,8 +230,8 @@ def committed(state: DecodeState) -> dict:
     t, d = state.target, state.draft
     n, m = int(t.length), int(d.length)
     return dict(k=np.asarray(t.k[:, :n]), v=np.asarray(t.v[:, :n]), conv=np.asarray(t.conv), ssm=np.asarray(t.ssm),
-                length=n, dk=np.asarray(d.k[:, :m]), dv=np.asarray(d.v[:, :m]), dlength=m, root=int(state.root),
-                remaining=int(state.remaining), done=bool(state.done))
+                length=n, dk=[np.asarray(x[:, :m]) for x in d.k], dv=[np.asarray(x[:, :m]) for x in d.v], dlength=m,
+                root=int(state.root), remaining=int(state.remaining), done=bool(state.done))
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
@@ -244,7 +244,7 @@ def test_the_step_updates_its_donated_state_in_place(mode):
     drafter = DFlashDrafter(dcfg) if mode != "ar" else None
     max_ctx = 4096  # the caches dominate: each attention layer's own temporaries are a small part of the state
     state = DecodeState(target=init_state(cfg, max_ctx + MAX_TREE_NODES),
-                        draft=drafter.init_state(max_ctx, jnp.float32) if drafter else None,
+                        draft=drafter.init_state(max_ctx, ("f32", "f32"), None) if drafter else None,
                         root=jnp.int32(1), remaining=jnp.int32(10), done=jnp.bool_(False))
     (tgraph, tweights), (dgraph, dweights) = split_weights(random_target(cfg, seed=4)), split_weights(
         random_draft(dcfg, seed=3) if drafter else None)
@@ -265,7 +265,7 @@ def test_prefill_and_the_drafter_context_update_their_donated_state_in_place():
     drafter, max_ctx = DFlashDrafter(dcfg), 4096
     engine = Engine(cfg, random_target(cfg, seed=4), EngineConfig(mode="ddtree", max_ctx=max_ctx), drafter,
                     random_draft(dcfg, seed=3))
-    tstate, dstate = init_state(cfg, max_ctx), drafter.init_state(max_ctx, jnp.float32)
+    tstate, dstate = init_state(cfg, max_ctx), drafter.init_state(max_ctx, ("f32", "f32"), None)
     chunk = prefill_module.DEFAULT_CHUNK
     calls = [(engine.tsplit.chunk, (engine.tweights, cfg, tstate, jnp.zeros(chunk, jnp.int32), jnp.int32(chunk),
                                     drafter.taps, False), tstate),

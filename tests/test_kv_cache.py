@@ -3,6 +3,8 @@ fixture pair in every mode, speculative decoding stays exact on the low-bit type
 kernels), the state's bytes are the type's, the interpret-mode kernels read every type, the GPU step lowers with a
 block type, and the step writes a quantized cache in place."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,12 +60,14 @@ def prompt(seed):
     return rng.integers(10, CFG.vocab_size, int(rng.choice([5, 40, 70])))
 
 
-def tree_equals_ar(params, kv_type: str, prompts: int, n_gen: int, kcfg: KernelConfig = REFERENCE):
+def tree_equals_ar(params, kv_type: str, prompts: int, n_gen: int, kcfg: KernelConfig = REFERENCE,
+                   v_type: str | None = None):
     """Each of the first `prompts` prompts decoded by AR, then by a DDTree over an oracle drafter's proposals of AR's
-    continuation (deep paths, sibling branches), both with the same cache type and kernels: the tree must emit what
-    AR emits. Returns [(prompt, AR's tokens)] and the tree's acceptance lengths."""
-    ar = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type=kv_type), kcfg=kcfg)
-    tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=8, topk=4, max_ctx=MAX_CTX, kv_type=kv_type),
+    continuation (deep paths, sibling branches), both with the same cache types (the values in `v_type` if given) and
+    kernels: the tree must emit what AR emits. Returns [(prompt, AR's tokens)] and the tree's acceptance lengths."""
+    types = dict(max_ctx=MAX_CTX, kv_type=kv_type, kv_type_v=v_type)
+    ar = Engine(CFG, params, EngineConfig(mode="ar", **types), kcfg=kcfg)
+    tree = Engine(CFG, params, EngineConfig(mode="ddtree", budget=8, topk=4, **types),
                   OracleDrafter(8, CFG.vocab_size, 0.25, seed=1), None, kcfg=kcfg)
     pairs, lengths = [], []
     for seed in range(prompts):
@@ -78,11 +82,12 @@ def tree_equals_ar(params, kv_type: str, prompts: int, n_gen: int, kcfg: KernelC
     return pairs, lengths
 
 
-@pytest.mark.parametrize("kv_type", ["q4_0", "rq3_0"])
-def test_speculative_decoding_stays_exact_on_low_bit_caches(params, kv_type):
-    """A DDTree emits what AR emits with the same cache type: the tree's keys are read as the cache will hold them.
-    The type does change the output (from f32's), so the quantization is in the path."""
-    pairs, lengths = tree_equals_ar(params, kv_type, 4, 24)
+@pytest.mark.parametrize("kv_type, v_type", [("q4_0", None), ("rq3_0", None), ("q4_0", "bf16")])
+def test_speculative_decoding_stays_exact_on_low_bit_caches(params, kv_type, v_type):
+    """A DDTree emits what AR emits with the same cache types (q4_0 keys beside bf16 values too): the tree's keys are
+    read as the cache will hold them. The type does change the output (from f32's), so the quantization is in the
+    path."""
+    pairs, lengths = tree_equals_ar(params, kv_type, 4, 24, v_type=v_type)
     f32 = Engine(CFG, params, EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type="f32"))
     assert any(f32.generate(ids, 24).tokens != want for ids, want in pairs) and max(lengths) >= 5
 
@@ -97,8 +102,8 @@ def test_speculative_decoding_stays_exact_with_the_interpret_kernels(params):
 
 @pytest.mark.parametrize("kv_type", KV_TYPES)
 def test_state_bytes_are_the_types(pair, kv_type):
-    """The state counts the target's K and V at the type's bits per value (the drafter's context cache in its
-    draft dtype) against the float32 state, from shapes alone."""
+    """The state counts the target's K and V and the drafter's context cache at the type's bits per value against
+    the float32 state, from shapes alone."""
     target, draft = pair
     ecfg = EngineConfig(mode="ddtree", max_ctx=256, kv_type=kv_type)
     got = Engine.from_loaded(*pair, ecfg).state_bytes()
@@ -106,7 +111,43 @@ def test_state_bytes_are_the_types(pair, kv_type):
     cfg, dcfg, t = target.config, draft.config, kvq.kv_type(kv_type)
     values = 2 * len(cfg.full_attention_layers) * (256 + MAX_TREE_NODES) * cfg.num_kv_heads * cfg.head_dim
     draft_values = 2 * dcfg.num_layers * 256 * dcfg.num_kv_heads * dcfg.head_dim
-    assert got == f32 - values * (4 - t.bits / 8) - draft_values * (4 - t.draft_dtype.itemsize)
+    assert got == f32 - (values + draft_values) * (4 - t.bits / 8)
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_keys_and_values_of_different_types_decode_what_ar_decodes(pair, mode):
+    """q8_0 keys beside bf16 values: the target's and the drafter's keys are blocks and their values arrays, the
+    state counts each at its type, and greedy speculative decoding emits what AR emits with the same caches."""
+    target, draft = pair
+    ecfg = EngineConfig(mode="ar", max_ctx=MAX_CTX, kv_type="bf16", kv_type_k="q8_0")
+    ids = np.load(TINY / "tokens.npy")
+    want = Engine.from_loaded(target, None, ecfg).generate(ids, N_GEN).tokens
+    engine = Engine.from_loaded(*pair, dataclasses.replace(ecfg, mode=mode, budget=8))
+    gen = engine.generate(ids, N_GEN)
+    assert gen.tokens == want  # the fixture's drafter is random: the oracle test below has the deep paths
+    t, d = gen.state.target, gen.state.draft
+    assert isinstance(t.k, kvq.KVBlocks) and t.k.kind == "q8_0" and t.v.dtype == jnp.bfloat16
+    assert [c.kind for c in d.k] == ["q8_0"] and [c.dtype for c in d.v] == [jnp.bfloat16]
+    cfg, dcfg = target.config, draft.config
+    values = len(cfg.full_attention_layers) * (MAX_CTX + MAX_TREE_NODES) * cfg.num_kv_heads * cfg.head_dim
+    values += dcfg.num_layers * MAX_CTX * dcfg.num_kv_heads * dcfg.head_dim  # K (and V) of each
+    f32 = Engine.from_loaded(*pair, EngineConfig(mode=mode, max_ctx=MAX_CTX)).state_bytes()
+    assert engine.state_bytes() == f32 - values * (4 - 8.5 / 8) - values * 2
+
+
+@pytest.mark.parametrize("k_type, v_type", [("q8_0", "bf16"), ("f32", "rq3_0")])
+def test_the_interpret_kernels_read_keys_and_values_of_different_types(params, k_type, v_type):
+    """A prompt's second chunk over a first chunk's keys and values of different types (one a block type, one a
+    float type): the Pallas kernels in interpret mode give the reference path's logits, to their bf16 products."""
+    ids = np.random.default_rng(10).integers(10, CFG.vocab_size, 80).tolist()
+    _, _, state = prefill(params, CFG, init_state(CFG, 128, k_type, v_type), ids[:64])
+
+    def logits(kcfg):
+        out, _, _ = prefill(params, CFG, jax.tree.map(jnp.copy, state), ids[64:], kcfg=kcfg)
+        return np.asarray(out)
+
+    ref, interp = logits(REFERENCE), logits(KernelConfig(impl="pallas", interpret=True))
+    assert 0 < np.linalg.norm(interp - ref) / np.linalg.norm(ref) < 5e-3
 
 
 def test_the_interpret_kernels_read_a_rotated_cache(params):

@@ -87,7 +87,7 @@ def test_drafter_proposals_through_the_head(targets):
     drafter = DFlashDrafter(cfg, TRITON)  # its bf16 matrices on XLA: the same product under either target's layout
     params = synthetic.synthetic_draft(cfg, kcfg=TRITON)
     taps = jax.random.normal(jax.random.key(1), (64, len(cfg.target_layer_ids), cfg.hidden_size), jnp.float32)
-    state = jax.jit(drafter.extend)(params, drafter.init_state(128, jnp.float32), taps, jnp.int32(64))
+    state = jax.jit(drafter.extend)(params, drafter.init_state(128, ("f32", "f32"), None), taps, jnp.int32(64))
     propose = jax.jit(drafter.propose, static_argnums=(5,))
     mosaic, triton = (propose(params, state, t, jnp.int32(7), jnp.int32(64), 15) for t in targets)
     assert bool(jnp.all(jnp.isfinite(mosaic)))

@@ -103,7 +103,8 @@ def held(state) -> dict:
     out = dict(k=rows(t.k, n), v=rows(t.v, n), conv=t.conv, ssm=t.ssm, length=t.length)
     if state.draft is not None:
         d, m = state.draft, int(state.draft.length)
-        out.update(dk=d.k[:, :m], dv=d.v[:, :m], dlength=d.length)
+        out.update({f"d{name}{g}": rows(c, m) for name in "kv" for g, c in enumerate(getattr(d, name))})
+        out.update(dlength=d.length, dstart=d.start)
     return {name: np.asarray(x) for name, x in out.items()}
 
 
@@ -131,9 +132,10 @@ def test_a_snapshot_restores_the_state_bit_for_bit(tparams, random_drafters, mod
     assert (short.length, long.length) == (100, 300) and short.mark is gen.mark and len(long.pages) == 2
     empty = engine.restore(short)
     row_bytes = sum(c.nbytes // c.shape[1] for c in (empty.target.k, empty.target.v) + (
-        () if mode == "ar" else (empty.draft.k, empty.draft.v)))
+        () if mode == "ar" else (*empty.draft.k, *empty.draft.v)))
+    starts = 0 if mode == "ar" else empty.draft.start.nbytes
     for snap, pages in ((short, 1), (long, 2)):
-        assert snap.nbytes == gen.mark.conv.nbytes + gen.mark.ssm.nbytes + 4 + pages * PAGE * row_bytes
+        assert snap.nbytes == gen.mark.conv.nbytes + gen.mark.ssm.nbytes + 4 + starts + pages * PAGE * row_bytes
     assert_same(engine.restore(short), engine.start(ids[:100], 1)[0])
     split = engine.generate(ids, 1, mark_at=100).state  # prefilled in the same two parts
     restored = engine.restore(long)
@@ -181,7 +183,7 @@ def q8_0_engine(tiny_gguf_path):
 
 def test_a_snapshot_of_a_q8_0_cache_copies_its_blocks_and_decodes_alike(q8_0_engine):
     """Under q8_0 (the fixture pair, two blocks of 32 a row) the target's cache is a KVBlocks of scales and codes: a
-    snapshot copies each field's rows, costs 34 bytes a block (the drafter's bf16 rows beside them), restores bit for
+    snapshot copies each field's rows, costs 34 bytes a block (the drafter's rows too), restores bit for
     bit and zero past its length, and a run from it generates what a fresh run generates, greedy and sampled."""
     engine = q8_0_engine
     ids = ids_of(6, 300)
@@ -190,9 +192,9 @@ def test_a_snapshot_of_a_q8_0_cache_copies_its_blocks_and_decodes_alike(q8_0_eng
     assert isinstance(short.pages[0][0], kvq.KVBlocks) and isinstance(gen.state.target.k, kvq.KVBlocks)
     t, d = engine.tcfg, engine.drafter.config
     row_bytes = (2 * len(t.full_attention_layers) * t.num_kv_heads * t.head_dim // 32 * 34
-                 + 2 * d.num_layers * d.num_kv_heads * d.head_dim * 2)
-    for snap, pages in ((short, 1), (long, 2)):
-        assert snap.nbytes == gen.mark.conv.nbytes + gen.mark.ssm.nbytes + 4 + pages * PAGE * row_bytes
+                 + 2 * d.num_layers * d.num_kv_heads * d.head_dim // 32 * 34)
+    for snap, pages in ((short, 1), (long, 2)):  # 4 bytes of length, 4 of the drafter's ring start
+        assert snap.nbytes == gen.mark.conv.nbytes + gen.mark.ssm.nbytes + 8 + pages * PAGE * row_bytes
     assert_same(engine.restore(short), engine.start(ids[:100], 1)[0])
     restored = engine.restore(long)
     assert_same(restored, engine.generate(ids, 1, mark_at=100).state)  # prefilled in the same two parts

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax import kv_quant as kvq
 from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
 from dflash_jax.engine.prefill import (DEFAULT_CHUNK, InputError, SplitTarget, check_tokens, prefill_chunks,
                                        split_weights)
@@ -124,9 +123,9 @@ class Engine:
     def _empty_states(self):
         """A fresh generation's (target state, drafter state or None). The target's has slack for the largest tree
         in every mode: one cache shape per max_ctx, so switching mode or budget does not compile the prefill again."""
-        kv_type = self.ecfg.kv_type
-        draft = self.drafter.init_state(self.ecfg.max_ctx, kvq.kv_type(kv_type).draft_dtype) if self.drafter else None
-        return init_state(self.tcfg, self.ecfg.max_ctx + MAX_TREE_NODES, kv_type), draft
+        kv_types, max_ctx = self.ecfg.kv_types, self.ecfg.max_ctx
+        draft = self.drafter.init_state(max_ctx, kv_types, self.ecfg.draft_ctx) if self.drafter else None
+        return init_state(self.tcfg, max_ctx + MAX_TREE_NODES, *kv_types), draft
 
     def state_bytes(self) -> int:
         """Bytes of the caches a generation allocates (`_empty_states`), from their shapes alone: nothing is

@@ -33,7 +33,9 @@ class Mark:
     """The recurrent part of a target state after its first `length` committed tokens, kept to go back there later.
 
     The attention caches (the target's and the drafter's) need no copy: nothing is written below the committed
-    length, so a later state of the same context still holds them, and only its lengths are set back (`rewind`)."""
+    length, so a later state of the same context still holds them, and only its lengths are set back (`rewind`). A
+    drafter's ring is the exception: it overwrites its oldest positions, and keeps showing only those it still holds
+    (models/draft.py, `DraftState.rewound`): the drafter may then see less context, never other keys."""
 
     conv: jax.Array  # [gdn_layers, conv_kernel - 1, conv_dim]
     ssm: jax.Array  # [gdn_layers, value_heads, key_head_dim, value_head_dim]
@@ -50,7 +52,7 @@ def rewind(state: DecodeState, mark: Mark) -> DecodeState:
     usable). Nothing is pending: continue it with `keep_pending=False`."""
     target = dataclasses.replace(state.target, conv=jnp.copy(mark.conv), ssm=jnp.copy(mark.ssm),
                                  length=jnp.copy(mark.length))
-    draft = None if state.draft is None else dataclasses.replace(state.draft, length=jnp.copy(mark.length))
+    draft = None if state.draft is None else state.draft.rewound(mark.length)
     return DecodeState(target=target, draft=draft, root=state.root, remaining=jnp.int32(0), done=jnp.bool_(True))
 
 
@@ -64,59 +66,80 @@ Caches = tuple[Any, ...]  # the attention caches: each an array [layers, slots, 
 
 @jax.jit
 def _take_page(caches: Caches, start: jax.Array, length: jax.Array) -> Caches:
-    """Slots start..start+PAGE of each cache (of each field of a block cache), those from `length` on (or past the
-    cache's end) zero."""
-    rows = start + jnp.arange(PAGE)
-    return jax.tree.map(lambda c: jnp.take(c, jnp.where(rows < length, rows, c.shape[1]), axis=1, mode="fill",
-                                           fill_value=0), caches)
+    """Slots start..start+PAGE of each cache (of each field of a block cache; all of a cache of fewer slots, a
+    drafter's ring), those from `length` on (or past the cache's end) zero."""
+    def take(c: jax.Array) -> jax.Array:
+        rows = start + jnp.arange(min(PAGE, c.shape[1]))
+        return jnp.take(c, jnp.where(rows < length, rows, c.shape[1]), axis=1, mode="fill", fill_value=0)
+
+    return jax.tree.map(take, caches)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _put_page(caches: Caches, page: Caches, start: jax.Array) -> Caches:
-    """The caches with a page written at slots start..start+PAGE (slots past a cache's end dropped); in place."""
-    rows = start + jnp.arange(PAGE)
-    return jax.tree.map(lambda c, p: c.at[:, rows].set(p, mode="drop"), caches, page)
+    """The caches with a page written at slots start.. (slots past a cache's end dropped); in place."""
+    return jax.tree.map(lambda c, p: c.at[:, start + jnp.arange(p.shape[1])].set(p, mode="drop"), caches, page)
 
 
 def _attention_caches(target: TargetState, draft: Any) -> Caches:
-    return (target.k, target.v) + (() if draft is None else (draft.k, draft.v))
+    return (target.k, target.v) + (() if draft is None else (*draft.k, *draft.v))
+
+
+def _paged(caches: Caches, length: int, start: int) -> tuple[int, ...]:
+    """Which caches a page from slot `start` copies for a state of `length` committed tokens: those whose used slots
+    (below the length, and below the cache's size: a drafter's ring holds its window in fewer) reach the page."""
+    return tuple(i for i, c in enumerate(caches) if start < min(length, c.shape[1]))
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """A decode state after its first `length` committed tokens, copied apart from it to resume there later (the
-    state itself goes on): its recurrent part (a Mark) and the attention caches' rows of those tokens, the target's
-    and the drafter's, in pages of PAGE slots (the last one zero past the length)."""
+    state itself goes on): its recurrent part (a Mark), the attention caches' rows of those tokens, the target's
+    and the drafter's, in pages of PAGE slots (the last one zero past the length; a drafter's ring only up to its
+    size), and the drafter's ring starts."""
 
     length: int
     mark: Mark
-    pages: tuple[Caches, ...]  # per page: target k, v (and drafter k, v), PAGE slots each, in the caches' KV types
+    pages: tuple[Caches, ...]  # per page: the caches `_paged` names (target k, v, drafter k, v per group), PAGE slots
+    # each (a cache's all where it has fewer)
+    draft_start: jax.Array | None = None  # [groups] int32: DraftState.start (None without a drafter)
 
     @property
     def nbytes(self) -> int:
         """Device bytes the snapshot holds (its mark's included; every field of a block cache's pages)."""
-        return sum(x.nbytes for x in jax.tree.leaves((self.mark, self.pages)))
+        return sum(x.nbytes for x in jax.tree.leaves((self.mark, self.pages, self.draft_start)))
 
 
 def take_snapshot(target: TargetState, draft: Any, length: int, mark: Mark | None = None) -> Snapshot:
     """A Snapshot of a state whose committed length is `length` (given by the host, which knows it: reading the
     device's would wait for the prefill in flight); `mark`, if given, is a Mark of that same state."""
     caches = _attention_caches(target, draft)
-    pages = tuple(_take_page(caches, jnp.int32(start), jnp.int32(length)) for start in range(0, length, PAGE))
-    return Snapshot(length, take_mark(target) if mark is None else mark, pages)
+    pages = []
+    for start in range(0, length, PAGE):
+        paged = _paged(caches, length, start)
+        pages.append(_take_page(tuple(caches[i] for i in paged), jnp.int32(start), jnp.int32(length)))
+    return Snapshot(length, take_mark(target) if mark is None else mark, tuple(pages),
+                    None if draft is None else jnp.copy(draft.start))
 
 
 def restore(snapshot: Snapshot, target: TargetState, draft: Any) -> DecodeState:
     """A state holding what `snapshot` holds, written into empty states (consumed); the snapshot stays usable.
     Nothing is pending: continue it with `keep_pending=False`."""
-    caches = _attention_caches(target, draft)
-    if snapshot.length > min(c.shape[1] for c in caches):
-        raise ValueError(f"a snapshot of {snapshot.length} tokens does not fit caches of {target.slots} slots")
+    linear = [target.k] + ([] if draft is None else [c for c, ring in zip(draft.k, draft.rings) if not ring])
+    slots = min(c.shape[1] for c in linear)  # a ring holds any length
+    if snapshot.length > slots:
+        raise ValueError(f"a snapshot of {snapshot.length} tokens does not fit caches of {slots} slots")
+    caches = list(_attention_caches(target, draft))
     for i, page in enumerate(snapshot.pages):
-        caches = _put_page(caches, page, jnp.int32(i * PAGE))
+        paged = _paged(caches, snapshot.length, i * PAGE)
+        written = _put_page(tuple(caches[c] for c in paged), page, jnp.int32(i * PAGE))
+        for c, cache in zip(paged, written):
+            caches[c] = cache
     mark = snapshot.mark
     target = dataclasses.replace(target, k=caches[0], v=caches[1], conv=jnp.copy(mark.conv), ssm=jnp.copy(mark.ssm),
                                  length=jnp.copy(mark.length))
     if draft is not None:
-        draft = dataclasses.replace(draft, k=caches[2], v=caches[3], length=jnp.copy(mark.length))
+        groups = len(draft.k)
+        draft = dataclasses.replace(draft, k=tuple(caches[2:2 + groups]), v=tuple(caches[2 + groups:]),
+                                    length=jnp.copy(mark.length), start=jnp.copy(snapshot.draft_start))
     return DecodeState(target=target, draft=draft, root=jnp.int32(0), remaining=jnp.int32(0), done=jnp.bool_(True))

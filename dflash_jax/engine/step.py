@@ -44,8 +44,9 @@ class Drafter(Protocol):
     def extend(self, params: Any, state: Any, taps: jax.Array, n_valid: jax.Array) -> Any:
         """The drafter state after committing the first n_valid rows of taps [n, n_taps, H]."""
 
-    def init_state(self, slots: int, kv_dtype: jnp.dtype) -> Any:
-        """An empty drafter state with room for `slots` committed tokens."""
+    def init_state(self, slots: int, kv_types: tuple[str, str], context: int | None) -> Any:
+        """An empty drafter state with room for `slots` committed tokens, its keys and values for KV types
+        kv_types (K, V), seeing at most the last `context` of them (None: all)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +72,8 @@ class DFlashDrafter:
     def extend(self, params, state, taps, n_valid):
         return draft_model.extend_context(params, self.config, state, taps, n_valid, self.kcfg)
 
-    def init_state(self, slots, kv_dtype):
-        return draft_model.init_draft_state(self.config, slots, kv_dtype)
+    def init_state(self, slots, kv_types, context):
+        return draft_model.init_draft_state(self.config, slots, kv_types, context)
 
 
 @jax.tree_util.register_dataclass

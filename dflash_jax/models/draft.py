@@ -3,9 +3,11 @@
 Qwen3-style layers (pre-norm, q/k RMSNorm, NeoX RoPE over the whole head, SwiGLU). The target's tap features of
 committed tokens are fused (`hidden_norm(fc(concat(taps)))`) and injected only as extra keys and values: each
 layer projects them with its own k/v projection, k_norm and RoPE at the tokens' positions. Those context keys and
-values are computed once per committed token and kept in `DraftState` (the C++ engine recomputes them every step).
-The block is embedded with the target's embedding and read out through the target's lm_head. The weights live in
-Flax NNX modules whose paths are the z-lab tensor names (`Draft.layers[0].self_attn.q_proj.weight`).
+values are computed once per committed token and kept in `DraftState` (the C++ engine recomputes them every step):
+the sliding-window layers keep a ring of their window, the full-attention layers all the context or a ring of the last
+`context` positions (EngineConfig.draft_ctx). The block is embedded with the target's embedding and read out through
+the target's lm_head. The weights live in Flax NNX modules whose paths are the z-lab tensor names
+(`Draft.layers[0].self_attn.q_proj.weight`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from dflash_jax import kernels
+from dflash_jax import kv_quant as kvq
 from dflash_jax.config import (SLIDING_ATTENTION, ConfigError, DraftConfig, KernelConfig, TargetConfig,
                                draft_config_to_hf)
 from dflash_jax.kernels import REFERENCE
-from dflash_jax.models.layers import MLP, AttentionWeights, Linear, RMSNorm, rope, weight_at, write_rows
+from dflash_jax.models.layers import MLP, AttentionWeights, Linear, RMSNorm, rope, weight_at, write_slots
 from dflash_jax.models.target import Target
 from dflash_jax.quant import QTensor
 
@@ -131,45 +134,108 @@ def check_pair(draft: DraftConfig, target: TargetConfig, where: str = "drafter")
         raise ConfigError(f"{where} does not fit the target: " + "; ".join(problems))
 
 
+def cache_groups(cfg: DraftConfig) -> tuple[tuple[int, ...], ...]:
+    """The layers of each context cache group: the full-attention layers, then the sliding-window layers (a group
+    only where the drafter has such layers). A group's layers share one stacked cache."""
+    full = tuple(i for i, t in enumerate(cfg.layer_types) if t != SLIDING_ATTENTION)
+    sliding = tuple(i for i, t in enumerate(cfg.layer_types) if t == SLIDING_ATTENTION)
+    return tuple(g for g in (full, sliding) if g)
+
+
+def _place(cfg: DraftConfig, layer: int) -> tuple[int, int]:
+    """(group, index within the group's stacked cache) of a layer."""
+    return next((g, layers.index(layer)) for g, layers in enumerate(cache_groups(cfg)) if layer in layers)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftState:
-    """Each layer's context keys and values (roped, k-normed) for every committed token, and how many there are."""
+    """Each layer's context keys and values (roped, k-normed) for the committed tokens it may still see, by cache
+    group (`cache_groups`), and how many tokens are committed.
 
-    k: jax.Array  # [layers, slots, kv_heads, head_dim]
-    v: jax.Array  # [layers, slots, kv_heads, head_dim]
-    length: jax.Array  # [] int32
+    A group's layers see the last `windows[g]` committed positions (None: all of them). A linear cache holds
+    position p at slot p. A ring (`rings[g]`, for a window well below the context) holds it at slots p mod W and
+    p mod W + W (W = the window), so the last n <= W positions are always the contiguous slots [(L - n) mod W,
+    (L - n) mod W + n): the attention kernel reads them as it reads any prefix, with no wrap. A ring cannot give
+    back a position it has overwritten: `start[g]` is the first position the group still holds (0 until a rewind,
+    `rewound`), and no layer sees further back."""
 
-    @property
-    def slots(self) -> int:
-        return self.k.shape[1]
+    k: tuple[jax.Array | kvq.KVBlocks, ...]  # per group: [group layers, slots, kv_heads, head_dim], in a KV type
+    v: tuple[jax.Array | kvq.KVBlocks, ...]  # per group: [group layers, slots, kv_heads, head_dim], in a KV type
+    length: jax.Array  # [] int32: committed tokens
+    start: jax.Array  # [groups] int32: the first position each group still holds
+    windows: tuple[int | None, ...] = dataclasses.field(metadata=dict(static=True))  # per group; None: all
+    rings: tuple[bool, ...] = dataclasses.field(metadata=dict(static=True))  # per group: stored as a ring
+
+    def rewound(self, length: jax.Array) -> "DraftState":
+        """The state set back to `length` committed tokens (at most its own). A ring still holds the positions of
+        its window before the rewind that lie below `length`: its start moves up to the first of them (or to
+        `length`, where it holds none; positions from there on are written again before anything reads them)."""
+        start = jnp.stack([jnp.minimum(length, jnp.maximum(self.start[g], self.length - w)) if ring else self.start[g]
+                           for g, (w, ring) in enumerate(zip(self.windows, self.rings))])
+        return dataclasses.replace(self, length=jnp.copy(length), start=start)
 
 
-def init_draft_state(cfg: DraftConfig, slots: int, kv_dtype: jnp.dtype = jnp.float32) -> DraftState:
-    """An empty context cache with room for `slots` committed tokens."""
-    shape = (cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim)
-    return DraftState(k=jnp.zeros(shape, kv_dtype), v=jnp.zeros(shape, kv_dtype), length=jnp.zeros((), jnp.int32))
+def group_windows(cfg: DraftConfig, context: int | None) -> tuple[int | None, ...]:
+    """The window of each cache group: the full-attention layers see the last `context` positions (None: all), the
+    sliding layers their sliding window (a query at the block's row i sees one fewer per row, `_visibility`)."""
+    return tuple(cfg.sliding_window if cfg.layer_types[layers[0]] == SLIDING_ATTENTION else context
+                 for layers in cache_groups(cfg))
+
+
+def init_draft_state(cfg: DraftConfig, slots: int, kv_types: tuple[str, str] = ("f32", "f32"),
+                     context: int | None = None) -> DraftState:
+    """An empty context cache for up to `slots` committed tokens, keys and values in the KV types kv_types (names of
+    kv_quant.TYPES), the full-attention layers seeing the last `context` positions (None: all). A group whose window
+    is under half the slots is a ring of twice its window; the others are linear."""
+    k_type, v_type = kv_types
+    k, v, rings = [], [], []
+    windows = group_windows(cfg, context)
+    for layers, window in zip(cache_groups(cfg), windows):
+        ring = window is not None and 2 * window < slots
+        shape = (len(layers), 2 * window if ring else slots, cfg.num_kv_heads, cfg.head_dim)
+        k.append(kvq.empty(k_type, shape))
+        v.append(kvq.empty(v_type, shape))
+        rings.append(ring)
+    return DraftState(k=tuple(k), v=tuple(v), length=jnp.zeros((), jnp.int32),
+                      start=jnp.zeros(len(windows), jnp.int32), windows=windows, rings=tuple(rings))
+
+
+def _write_slots(state: DraftState, g: int, pos: jax.Array, keep: jax.Array) -> jax.Array:
+    """The slots of group g that the rows of positions pos [n] go to, where `keep`: [n] linear, [2n] in a ring (both
+    copies); the others past the cache's end (dropped)."""
+    if not state.rings[g]:
+        return jnp.where(keep, pos, state.k[g].shape[1])
+    w = state.windows[g]
+    keep = keep & (pos >= state.length + jnp.sum(keep) - w)  # a chunk longer than the ring: its last w rows
+    slot = jnp.where(keep, pos % w, 2 * w)
+    return jnp.concatenate([slot, jnp.where(keep, slot + w, 2 * w)])
 
 
 def extend_context(params: Draft, cfg: DraftConfig, state: DraftState, taps: jax.Array, n_valid: jax.Array,
                    kcfg: KernelConfig = REFERENCE) -> DraftState:
-    """Append the first n_valid of n newly committed tokens' tap features [n, n_taps, H] to the context cache."""
+    """Append the first n_valid of n newly committed tokens' tap features [n, n_taps, H] to the context cache (the
+    rest are not written: in a ring they would overwrite positions still in its window)."""
     n = taps.shape[0]
     fused = params.hidden_norm(params.fc(taps.reshape(n, -1), kcfg))
     pos = state.length + jnp.arange(n)
-    k_all, v_all = state.k, state.v
+    slots = [_write_slots(state, g, pos, jnp.arange(n) < n_valid) for g in range(len(state.k))]
+    k_all, v_all = list(state.k), list(state.v)
     for layer, p in enumerate(params.layers):
         k, v = p.self_attn.kv(cfg, fused, pos, kcfg)
-        k_all = write_rows(k_all, k, state.length, layer)
-        v_all = write_rows(v_all, v, state.length, layer)
-    return DraftState(k=k_all, v=v_all, length=state.length + n_valid)
+        g, j = _place(cfg, layer)
+        copies = slots[g].shape[0] // n  # a ring writes each row twice
+        k_all[g] = write_slots(k_all[g], jnp.tile(k, (copies, 1, 1)), slots[g], j)
+        v_all[g] = write_slots(v_all[g], jnp.tile(v, (copies, 1, 1)), slots[g], j)
+    return dataclasses.replace(state, k=tuple(k_all), v=tuple(v_all), length=state.length + n_valid)
 
 
 def _visibility(cfg: DraftConfig, layer: int, length: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Which keys the block's queries see: (block mask [B, B], first visible context slot per query [B]).
+    """Which keys the block's queries see: (block mask [B, B], first visible context position per query [B]).
 
-    Full layers see every committed slot and the whole block; sliding layers are causal within the block and see
-    keys up to sliding_window - 1 positions back, the query itself included."""
+    Full layers see every committed position and the whole block; sliding layers are causal within the block and see
+    keys up to sliding_window - 1 positions back, the query itself included. The cache group's window and start
+    (`_cache_slots`) may hide more."""
     b = cfg.block_size
     i = jnp.arange(b)
     if cfg.layer_types[layer] != SLIDING_ATTENTION:
@@ -177,6 +243,16 @@ def _visibility(cfg: DraftConfig, layer: int, length: jax.Array) -> tuple[jax.Ar
     window = cfg.sliding_window
     block = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
     return block, (length + i - window + 1).astype(jnp.int32)
+
+
+def _cache_slots(state: DraftState, g: int, first: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Where group g holds the context its queries see, as the attention kernel reads a prefix: (the end slot [],
+    each query's first slot [B]) for the queries' first visible positions `first` [B]. The oldest position seen is
+    the group's start, or the window's first; a ring holds the positions from there to the length contiguously."""
+    window = state.windows[g]
+    oldest = state.start[g] if window is None else jnp.maximum(state.start[g], state.length - window)
+    base = oldest % window if state.rings[g] else oldest
+    return base + state.length - oldest, base + jnp.maximum(first - oldest, 0)
 
 
 def propose(params: Draft, cfg: DraftConfig, state: DraftState, target: Target,
@@ -200,8 +276,12 @@ def draft_hidden(params: Draft, cfg: DraftConfig, state: DraftState, target: Tar
         q = p.self_attn.q_proj(u, kcfg).reshape(b, cfg.num_heads, hd)
         q = rope(p.self_attn.q_norm(q), pos, hd, cfg.rope_theta)
         k, v = p.self_attn.kv(cfg, u, pos, kcfg)
-        blk_mask, prefix_lo = _visibility(cfg, layer, state.length)
-        o = kernels.tree_attention(q, state.k, state.v, state.length, k, v, blk_mask, prefix_lo, kcfg, layer)
+        blk_mask, first = _visibility(cfg, layer, state.length)
+        g, j = _place(cfg, layer)
+        end, prefix_lo = _cache_slots(state, g, first)
+        # the block's own keys and values in the cache's types, as the kernel reads a block (models/target.py)
+        k, v = kvq.stored(k, state.k[g]), kvq.stored(v, state.v[g])
+        o = kernels.tree_attention(q, state.k[g], state.v[g], end, k, v, blk_mask, prefix_lo, kcfg, j)
         x = x + p.self_attn.o_proj(o.reshape(b, -1), kcfg)
         x = x + p.mlp(p.post_attention_layernorm(x), kcfg)
     return params.norm(x)

@@ -67,17 +67,26 @@ def rope(x: jax.Array, pos: jax.Array, rope_dim: int, theta: float) -> jax.Array
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
+def write_slots(cache: jax.Array | kvq.KVBlocks, rows: jax.Array | kvq.KVBlocks, slots: jax.Array,
+                layer: int) -> jax.Array | kvq.KVBlocks:
+    """A stacked cache [layers, slots, ...] with rows [n, ...] written into one layer at slots [n], in the cache's KV
+    type (float rows are cast or quantized: kv_quant.stored); a slot past the cache's end drops its row. Writing one
+    layer of the stacked cache (not a slice of it, then a stack) lets a jitted function update a donated cache in
+    place."""
+    rows = kvq.stored(rows, cache)
+    return jax.tree.map(lambda c, r: c.at[layer, slots].set(r, mode="drop"), cache, rows)
+
+
 def write_rows(cache: jax.Array | kvq.KVBlocks, rows: jax.Array | kvq.KVBlocks, start: jax.Array,
                layer: int | None = None) -> jax.Array | kvq.KVBlocks:
     """A stacked cache [layers, slots, ...] with rows written at slots start..: rows [n, ...] into one layer, or
-    [layers, n, ...] into every layer, in the cache's KV type (float rows are cast or quantized: kv_quant.stored).
-    Rows past the end are dropped (a padded last chunk) rather than shifting the write back over committed slots, as
-    dynamic_update_slice would. Writing one layer of the stacked cache (not a slice of it, then a stack) lets a
-    jitted function update a donated cache in place."""
-    rows = kvq.stored(rows, cache)
+    [layers, n, ...] into every layer, in the cache's KV type (as `write_slots`). Rows past the end are dropped (a
+    padded last chunk) rather than shifting the write back over committed slots, as dynamic_update_slice would."""
     slots = start + jnp.arange(rows.shape[0 if layer is not None else 1])
-    idx = (layer, slots) if layer is not None else (slice(None), slots)
-    return jax.tree.map(lambda c, r: c.at[idx].set(r, mode="drop"), cache, rows)
+    if layer is not None:
+        return write_slots(cache, rows, slots, layer)
+    rows = kvq.stored(rows, cache)
+    return jax.tree.map(lambda c, r: c.at[:, slots].set(r, mode="drop"), cache, rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -65,14 +65,14 @@ class TargetState:
         return self.k.shape[1]
 
 
-def init_state(cfg: TargetConfig, slots: int, kv_type: str = "f32") -> TargetState:
+def init_state(cfg: TargetConfig, slots: int, kv_type: str = "f32", v_type: str | None = None) -> TargetState:
     """An empty state with room for `slots` tokens (committed context plus tree slack), its KV cache in `kv_type`
-    (a name of dflash_jax.kv_quant.TYPES)."""
+    (a name of dflash_jax.kv_quant.TYPES), the values in `v_type` if given."""
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv_shape = (n_attn, slots, cfg.num_kv_heads, cfg.head_dim)
     return TargetState(
         k=kvq.empty(kv_type, kv_shape),
-        v=kvq.empty(kv_type, kv_shape),
+        v=kvq.empty(v_type or kv_type, kv_shape),
         conv=jnp.zeros((n_gdn, cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
         ssm=jnp.zeros((n_gdn, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
                       jnp.float32),

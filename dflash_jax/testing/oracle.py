@@ -58,7 +58,7 @@ class OracleDrafter:
     def extend(self, params, state, taps, n_valid):
         return state
 
-    def init_state(self, slots, kv_dtype):
+    def init_state(self, slots, kv_types, context):
         return None
 
 
@@ -91,5 +91,5 @@ class ForcedDrafter:
     def extend(self, params, state, taps, n_valid):
         return self.real.extend(params["real"], state, taps, n_valid)
 
-    def init_state(self, slots, kv_dtype):
-        return self.real.init_state(slots, kv_dtype)
+    def init_state(self, slots, kv_types, context):
+        return self.real.init_state(slots, kv_types, context)
