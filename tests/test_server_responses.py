@@ -7,6 +7,7 @@ Replies that reason or call tools are forced, as in test_server_tools.py: the te
 in place of the model's choice (test_server.GatedEngine.script); everything after it runs as it does for the model."""
 
 import json
+import re
 
 import openai
 import pytest
@@ -285,16 +286,20 @@ def test_a_streamed_response_has_the_items_of_the_whole_one(server, oai, text, k
     assert whole.output[-1].status == ("incomplete" if kinds == ["reasoning"] else "completed")
 
 
-def test_a_stream_failing_midway_raises_in_the_client_naming_only_a_request_id(server, oai):
-    """An internal error after the first events ends the stream with OpenAI's error event, which the client raises
-    (from the raw stream and the helper alike); the next stream is answered."""
+def test_a_stream_failing_midway_ends_with_response_failed_naming_only_a_request_id(server, oai):
+    """An internal error after the first events ends the stream as the OpenAI API ends a failed one: a last
+    response.failed event (the same response, status failed, the error naming only a request id), which the SDK's
+    stream helper takes in order; the next stream is answered."""
     server.gated.fault = RuntimeError("a secret")
-    with pytest.raises(openai.APIError, match="^internal error; request id req_"):
-        list(oai.responses.create(model="tiny", input=PROMPT, max_output_tokens=12, stream=True))
+    events = list(oai.responses.create(model="tiny", input=PROMPT, max_output_tokens=12, stream=True))
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed", last
+    assert re.match("^internal error; request id req_", last.response.error.message), last.response.error
+    assert last.response.error.code == "server_error" and "secret" not in last.response.error.message
+    assert last.response.id == events[0].response.id and [e.sequence_number for e in events] == list(range(len(events)))
     server.gated.fault = RuntimeError("a secret")
-    with pytest.raises(openai.APIError, match="^internal error; request id req_"):
-        with oai.responses.stream(model="tiny", input=PROMPT, max_output_tokens=12) as stream:
-            list(stream)
+    with oai.responses.stream(model="tiny", input=PROMPT, max_output_tokens=12) as stream:
+        assert [e.type for e in stream][-1] == "response.failed"
     events = list(oai.responses.create(model="tiny", input=PROMPT, max_output_tokens=12, stream=True))
     assert events[-1].response.output_text == server.expect(server.tok.encode(template_text(USER)), 12)[0]
 

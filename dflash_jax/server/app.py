@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -90,14 +90,16 @@ def _guarded(api: str, serve: Callable[[Request, str], Awaitable[Response]]
     return handle
 
 
-async def _guarded_events(api: str, events: AsyncIterator[str], request_id: str) -> AsyncIterator[str]:
-    """A stream's events, ended by an error event if the stream raises (`_answer`)."""
+async def _guarded_events(api: str, events: AsyncIterable[str], request_id: str) -> AsyncIterator[str]:
+    """A stream's events, ended by an error event if the stream raises (`_answer`): the stream's own `failed` event
+    where it has one (the Responses API's response.failed), else the API's error event."""
     try:
         async for event in events:
             yield event
     except Exception as e:
         status, message, _ = _answer(e, request_id)
-        yield _error_event(api, status, message)
+        failed = getattr(events, "failed", None)
+        yield failed(status, message) if failed else _error_event(api, status, message)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -212,7 +214,7 @@ def build_app(worker: Worker, settings: Settings) -> Starlette:
 
     def endpoint(api: str, parse: Callable[[dict, Settings], GenRequest],
                  respond: Callable[[Sequence[Job], Sequence[str], Settings], dict],
-                 stream: Callable[[Job, Settings], AsyncIterator[str]]):
+                 stream: Callable[[Job, Settings], AsyncIterable[str]]):
         async def serve(request: Request, request_id: str) -> Response:
             gen_request = parse(await _json_body(request), settings)
             if gen_request.stream:  # one choice (request.count refuses n > 1 with stream)
@@ -247,7 +249,7 @@ def build_app(worker: Worker, settings: Settings) -> Starlette:
         Route("/v1/completions", endpoint("openai", openai_api.parse_completion, openai_api.completion_response,
                                           openai_api.completion_stream), methods=["POST"]),
         Route("/v1/responses", endpoint("openai", responses_api.parse_responses, responses_api.response_object,
-                                        responses_api.response_stream), methods=["POST"]),
+                                        responses_api.ResponseStream), methods=["POST"]),
         Route("/v1/messages", endpoint("anthropic", anthropic_api.parse_messages, anthropic_api.message_response,
                                        anthropic_api.message_stream), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guarded("anthropic", count_tokens), methods=["POST"]),

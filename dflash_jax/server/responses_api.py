@@ -18,7 +18,7 @@ from dflash_jax.server.request import (EFFORT, BadRequest, GenRequest, Settings,
 from dflash_jax.server.responses_input import input_messages
 from dflash_jax.server.tool_calls import ToolCall, argument_pieces, arguments_json
 from dflash_jax.server.tool_use import check_template, function_tool, openai_tool_use, reply_prompt
-from dflash_jax.server.wire import new_id, now, sse
+from dflash_jax.server.wire import ERROR_TYPES, new_id, now, sse
 from dflash_jax.server.worker import Job, Outcome
 
 UNSUPPORTED = {
@@ -165,8 +165,8 @@ def _status(outcome: Outcome) -> str:
 
 
 def _response(request: ResponsesRequest, settings: Settings, response_id: str, created: int, status: str,
-              output: list[dict], usage: dict | None = None) -> dict[str, Any]:
-    return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
+              output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict[str, Any]:
+    return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": settings.model, "output": output, "usage": usage, "temperature": request.sampling.temperature,
             "top_p": request.sampling.top_p, **request.echo}
@@ -207,9 +207,9 @@ class _Events:
         self.sequence += 1
         return sse({"type": kind, "sequence_number": self.sequence - 1, **fields}, kind)
 
-    def lifecycle(self, kind: str, status: str, usage: dict | None = None) -> str:
+    def lifecycle(self, kind: str, status: str, usage: dict | None = None, error: dict | None = None) -> str:
         return self.event(kind, response=_response(self.request, self.settings, self.id, self.created, status,
-                                                   self.done, usage))
+                                                   self.done, usage, error))
 
     def _place(self) -> dict[str, Any]:
         return {"item_id": self.open["id"], "output_index": len(self.done)}
@@ -285,25 +285,38 @@ class _Events:
         return events + self._close_text(status)
 
 
-async def response_stream(job: Job, settings: Settings) -> AsyncIterator[str]:
-    """response.created and .in_progress; each output item's added, content part, deltas, done events (`_Events`);
-    then response.completed (response.incomplete when max_output_tokens ended it)."""
-    request = job.request
-    events = _Events(request, settings)
-    yield events.lifecycle("response.created", "in_progress")
-    yield events.lifecycle("response.in_progress", "in_progress")
-    generated = []
+class ResponseStream:
+    """A response's stream: response.created and .in_progress; each output item's added, content part, deltas, done
+    events (`_Events`); then response.completed (response.incomplete when max_output_tokens ended it), or, when the
+    reply fails midway, response.failed (`failed`, which app._guarded_events sends) as the OpenAI API ends it."""
 
-    async def pieces() -> AsyncIterator[str]:
-        async for piece in job.pieces():
-            generated.append(piece)
-            yield piece
+    def __init__(self, job: Job, settings: Settings):
+        self.job, self.settings = job, settings
+        self.events = _Events(job.request, settings)
 
-    # a failure ends the stream with an error event (app._guarded_events)
-    async for event in reply.events(pieces(), request):
-        for out in events.add(event):
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._stream()
+
+    def failed(self, status: int, message: str) -> str:
+        """The response.failed event that ends a stream whose reply raised (`status`, `message` as the error)."""
+        return self.events.lifecycle("response.failed", "failed",
+                                     error={"code": ERROR_TYPES.get(status, ERROR_TYPES[500])[0], "message": message})
+
+    async def _stream(self) -> AsyncIterator[str]:
+        request, events = self.job.request, self.events
+        yield events.lifecycle("response.created", "in_progress")
+        yield events.lifecycle("response.in_progress", "in_progress")
+        generated = []
+
+        async def pieces() -> AsyncIterator[str]:
+            async for piece in self.job.pieces():
+                generated.append(piece)
+                yield piece
+
+        async for event in reply.events(pieces(), request):
+            for out in events.add(event):
+                yield out
+        text, status = request.prefix + "".join(generated), _status(self.job.outcome)
+        for out in events.end(_closed(request, text), status):
             yield out
-    text, status = request.prefix + "".join(generated), _status(job.outcome)
-    for out in events.end(_closed(request, text), status):
-        yield out
-    yield events.lifecycle(f"response.{status}", status, _usage(request, job.outcome, text, settings))
+        yield events.lifecycle(f"response.{status}", status, _usage(request, self.job.outcome, text, self.settings))
