@@ -274,10 +274,17 @@ def _logits(model: Target, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
     return model.lm_head(model.norm(x), kcfg)
 
 
+def _all_reduce(x: jax.Array, axis: str | None) -> jax.Array:
+    """A shard's partial sum of a row-split projection summed over the mesh axis (as it is without one)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
 def _forward(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
-             taps: tuple[int, ...], prefill_valid: jax.Array | None, kcfg: KernelConfig):
+             taps: tuple[int, ...], prefill_valid: jax.Array | None, kcfg: KernelConfig, axis: str | None = None):
     """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
-    verify (tree) leaves it and returns what the commit needs."""
+    verify (tree) leaves it and returns what the commit needs. With `axis`, the model is one shard's of a
+    tensor-parallel target (dflash_jax/parallel.py) inside a shard_map: each mixer's and MLP's output is summed over
+    the axis."""
     x = model.embed_tokens(tokens)
     k_all, v_all, conv, ssm = state.k, state.v, state.conv, state.ssm
     tap_out, carries = {}, []
@@ -301,8 +308,8 @@ def _forward(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.A
                 conv = conv.at[ig].set(conv_in[conv_index[prefill_valid - 1, 1:]])
             out = layer.linear_attn.output(o, z, kcfg)
             ig += 1
-        x = x + out
-        x = x + layer.mlp(layer.post_attention_layernorm(x), kcfg)
+        x = x + _all_reduce(out, axis)
+        x = x + _all_reduce(layer.mlp(layer.post_attention_layernorm(x), kcfg), axis)
         if i in taps:
             tap_out[i] = x
     state = dataclasses.replace(state, k=k_all, v=v_all, conv=conv, ssm=ssm)
@@ -330,14 +337,15 @@ def _check_fits(state: TargetState, tokens: jax.Array) -> None:
 
 
 def prefill_chunk(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
-                  taps: tuple[int, ...] = (), all_logits: bool = False, kcfg: KernelConfig = REFERENCE
-                  ) -> tuple[jax.Array, jax.Array, TargetState]:
+                  taps: tuple[int, ...] = (), all_logits: bool = False, kcfg: KernelConfig = REFERENCE,
+                  axis: str | None = None) -> tuple[jax.Array, jax.Array, TargetState]:
     """Commit the first n_valid of P prompt tokens (the rest is padding); `kcfg` picks the kernels
-    (dflash_jax.kernels).
+    (dflash_jax.kernels), `axis` the mesh axis of a shard's model (`_forward`).
 
     Returns the logits of the last real token [V] (all P rows [P, V] with all_logits) and taps [P, n_taps, H].
     """
-    x, tapped, state, _ = _forward(model, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, kcfg)
+    x, tapped, state, _ = _forward(model, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, kcfg,
+                                   axis)
     state = dataclasses.replace(state, length=state.length + n_valid)
     if not all_logits:
         x = jax.lax.dynamic_index_in_dim(x, n_valid - 1, keepdims=False)
@@ -345,15 +353,16 @@ def prefill_chunk(model: Target, cfg: TargetConfig, state: TargetState, tokens: 
 
 
 def verify(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, parents: jax.Array,
-           taps: tuple[int, ...] = (), kcfg: KernelConfig = REFERENCE
+           taps: tuple[int, ...] = (), kcfg: KernelConfig = REFERENCE, axis: str | None = None
            ) -> tuple[jax.Array, jax.Array, TargetState, Verified]:
-    """Run a tree of N tokens on top of the committed state: logits [N, V], taps [N, n_taps, H].
+    """Run a tree of N tokens on top of the committed state: logits [N, V], taps [N, n_taps, H] (`axis`: the mesh
+    axis of a shard's model, `_forward`).
 
     Only the KV cache changes (the block's keys at slots length..length+N-1, not yet committed); GDN state is read.
     """
     _check_fits(state, tokens)
     block = tree_block(parents)
-    x, tapped, state, verified = _forward(model, cfg, state, tokens, block, taps, None, kcfg)
+    x, tapped, state, verified = _forward(model, cfg, state, tokens, block, taps, None, kcfg, axis)
     return _logits(model, x, kcfg), tapped, state, verified
 
 
