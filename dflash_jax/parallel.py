@@ -38,15 +38,36 @@ REPLICATED = frozenset({"embed_tokens", "lm_head", "norm", "input_layernorm", "p
                         "k_norm"})
 
 
+def check_present(n: int) -> None:
+    """Raise ConfigError unless n local devices are present."""
+    present = jax.local_device_count()
+    if n > present:
+        raise ConfigError(f"--devices {n}: only {present} local device(s) present ({jax.default_backend()})")
+
+
 def parallel_config(devices: str | int) -> ParallelConfig:
-    """The ParallelConfig of a `--devices` value: a count, or "all" (every local device)."""
+    """The ParallelConfig of a `--devices` value: a count of local devices that are present, or "all"."""
     if devices == "all":
         return ParallelConfig(jax.local_device_count())
     try:
         count = int(devices)
     except (TypeError, ValueError):
         raise ConfigError(f"--devices {devices!r} should be a device count or 'all'") from None
-    return ParallelConfig(count)
+    pcfg = ParallelConfig(count)
+    check_present(count)
+    return pcfg
+
+
+def load_layout(kcfg: KernelConfig, pcfg: ParallelConfig) -> KernelConfig:
+    """The layout to load a target in: the kernels' own on one device; on several the reference one (matrices as
+    stored), since the split comes first and each shard is laid out for `kcfg` after (`ShardedTarget.over`)."""
+    return kcfg if pcfg.devices == 1 else REFERENCE
+
+
+def split_target(model: Target, kcfg: KernelConfig, pcfg: ParallelConfig) -> SplitTarget:
+    """The model split once for the jitted functions: on one device as it is (`SplitTarget.of`: its matrices
+    already in `kcfg`'s layout), on several over a mesh (`ShardedTarget.over`)."""
+    return SplitTarget.of(model) if pcfg.devices == 1 else ShardedTarget.over(model, kcfg, pcfg)
 
 
 def local_config(cfg: TargetConfig, n: int) -> TargetConfig:
@@ -208,16 +229,6 @@ class TargetParallel:
         return dataclasses.replace(state, target=state_specs(state.target, self.axis),
                                    draft=None if state.draft is None else P(), root=P(), remaining=P(), done=P())
 
-    def init_state(self, cfg: TargetConfig, slots: int, kv_type: str, v_type: str) -> TargetState:
-        """An empty target state of the global config laid out over the mesh, each device allocating its part."""
-        make = functools.partial(init_state, cfg, slots, kv_type, v_type)
-        specs = state_specs(jax.eval_shape(make), self.axis)
-        return jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs))()
-
-    def replicated(self, tree: Any) -> Any:
-        """A pytree of arrays copied whole onto every device of the mesh (the drafter's weights and state)."""
-        return jax.device_put(tree, NamedSharding(self.mesh, P()))
-
 
 @functools.lru_cache(maxsize=None)
 def _chunk_function(parallel: TargetParallel, graph: nnx.GraphDef) -> Callable:
@@ -235,7 +246,7 @@ def _place(mesh: Mesh, axis: str, shards: list[Any]) -> Any:
     def put(path, *leaves):
         if _replicated(path):
             return jax.device_put(leaves[0], NamedSharding(mesh, P()))
-        blocks = [jax.device_put(x[None], d) for x, d in zip(leaves, mesh.devices.flat)]
+        blocks = [jax.device_put(x, d)[None] for x, d in zip(leaves, mesh.devices.flat)]
         return jax.make_array_from_single_device_arrays((len(leaves), *leaves[0].shape),
                                                         NamedSharding(mesh, P(axis)), blocks)
 
@@ -245,9 +256,18 @@ def _place(mesh: Mesh, axis: str, shards: list[Any]) -> Any:
 @dataclasses.dataclass(frozen=True)
 class ShardedTarget(SplitTarget):
     """A Target split over a mesh: the graph of one shard's module, the weights of all shards as global arrays
-    (`_place`), its jitted prefill chunk and the TargetParallel its step runs."""
+    (`_place`), its jitted prefill chunk and the TargetParallel (`parallel`) its step runs."""
 
-    parallel: TargetParallel | None = None
+    def init_state(self, cfg: TargetConfig, slots: int, kv_type: str = "f32", v_type: str | None = None
+                   ) -> TargetState:
+        """An empty target state of the global config laid out over the mesh, each device allocating its part."""
+        make = functools.partial(init_state, cfg, slots, kv_type, v_type)
+        specs = state_specs(jax.eval_shape(make), self.parallel.axis)
+        return jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(self.parallel.mesh, s), specs))()
+
+    def replicated(self, tree: Any) -> Any:
+        """A pytree of arrays copied whole onto every device of the mesh (the drafter's weights and state)."""
+        return jax.device_put(tree, NamedSharding(self.parallel.mesh, P()))
 
     @classmethod
     def over(cls, model: Target, kcfg: KernelConfig, pcfg: ParallelConfig) -> "ShardedTarget":
@@ -262,15 +282,13 @@ class ShardedTarget(SplitTarget):
                               f"needs the target loaded in the reference layout (load_target with the reference "
                               f"kernels), each shard being laid out after the split")
         check_split(cfg, tensors, n)
-        present = jax.local_device_count()
-        if n > present:
-            raise ConfigError(f"--devices {n}: only {present} local device(s) present ({jax.default_backend()})")
-        lcfg = local_config(cfg, n)
+        check_present(n)
+        lcfg, devices = local_config(cfg, n), jax.local_devices()[:n]
         graph, shards = None, []
         for s in range(n):
             local = target.target_from_tensors(lcfg, prepare_target(shard_tensors(cfg, tensors, n, s), kcfg), kcfg)
             graph, weights = split_weights(local)
-            shards.append(weights)
-        mesh = Mesh(np.asarray(jax.local_devices()[:n]), (pcfg.axis,))
+            shards.append(jax.device_put(weights, devices[s]))  # on its device at once: one shard at a time here
+        mesh = Mesh(np.asarray(devices), (pcfg.axis,))
         parallel = TargetParallel(mesh, lcfg, pcfg.axis)
         return cls(graph, _place(mesh, pcfg.axis, shards), _chunk_function(parallel, graph), parallel)

@@ -13,14 +13,14 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig, TargetConfig
-from dflash_jax.engine.prefill import (DEFAULT_CHUNK, InputError, SplitTarget, check_tokens, prefill_chunks,
-                                       split_weights)
+from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks, split_weights
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
-from dflash_jax.models.target import Target, init_state
+from dflash_jax.models.target import Target
+from dflash_jax.parallel import split_target
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,13 +94,8 @@ class Engine:
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
         self.tcfg, self.ecfg, self.pcfg = tcfg, ecfg, parallel
-        if parallel.devices == 1:
-            self.tsplit, self.parallel = SplitTarget.of(tparams), None
-        else:
-            from dflash_jax.parallel import ShardedTarget  # the one-device engine never imports the mesh code
-
-            self.tsplit = ShardedTarget.over(tparams, kcfg, parallel)
-            self.parallel = self.tsplit.parallel
+        self.tsplit = split_target(tparams, kcfg, parallel)
+        self.parallel = self.tsplit.parallel
         self.tgraph, self.tweights = self.tsplit.graph, self.tsplit.weights
         self.drafter = drafter if ecfg.mode != "ar" else None
         self.block_size = drafter.block_size if self.drafter else 1
@@ -117,8 +112,7 @@ class Engine:
     def dparams(self, dparams: Any) -> None:
         # new params of the same graph (an oracle's sequence) reuse the compiled functions
         self.dgraph, self.dweights = split_weights(dparams)
-        if self.parallel is not None:
-            self.dweights = self.parallel.replicated(self.dweights)
+        self.dweights = self.tsplit.replicated(self.dweights)
         self.step = make_step(self.tcfg, self.drafter, self.ecfg, self.tgraph, self.dgraph, self.kcfg, self.parallel)
         self.extend = extend_function(self.drafter, self.dgraph) if self.drafter else None
 
@@ -140,10 +134,7 @@ class Engine:
         in every mode: one cache shape per max_ctx, so switching mode or budget does not compile the prefill again."""
         kv_types, max_ctx = self.ecfg.kv_types, self.ecfg.max_ctx
         draft = self.drafter.init_state(max_ctx, kv_types, self.ecfg.draft_ctx) if self.drafter else None
-        if self.parallel is not None:
-            return (self.parallel.init_state(self.tcfg, max_ctx + MAX_TREE_NODES, *kv_types),
-                    self.parallel.replicated(draft))
-        return init_state(self.tcfg, max_ctx + MAX_TREE_NODES, *kv_types), draft
+        return self.tsplit.init_state(self.tcfg, max_ctx + MAX_TREE_NODES, *kv_types), self.tsplit.replicated(draft)
 
     def state_bytes(self) -> int:
         """Bytes of the caches a generation allocates (`_empty_states`), from their shapes alone: nothing is
