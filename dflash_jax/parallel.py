@@ -53,9 +53,10 @@ def parallel_config(devices: str | int) -> ParallelConfig:
         count = int(devices)
     except (TypeError, ValueError):
         raise ConfigError(f"--devices {devices!r} should be a device count or 'all'") from None
-    pcfg = ParallelConfig(count)
+    if count < 1:
+        raise ConfigError(f"--devices {count} must be at least 1 (or 'all')")
     check_present(count)
-    return pcfg
+    return ParallelConfig(count)
 
 
 def load_layout(kcfg: KernelConfig, pcfg: ParallelConfig) -> KernelConfig:
