@@ -3,10 +3,11 @@ devices").
 
 Each shard holds a slice of every layer (`shard_tensors`): attention by KV heads (the query heads of their groups),
 the Gated DeltaNet by key heads with the value heads that read them, the MLP's gate/up by rows and down by
-columns; the norms, the embedding and the head are replicated. Inside `jax.shard_map` each shard runs the model code
-on a local config (`local_config`: heads and intermediate size divided) and the partial outputs of o_proj, out_proj
-and down_proj are summed (`target._forward`'s all-reduces). The KV cache, the conv and the recurrent state live
-sharded by head; everything else (tree, acceptance, drafter) runs replicated.
+columns, the head by rows; the norms and the embedding are replicated. Inside `jax.shard_map` each shard runs the
+model code on a local config (`local_config`: heads and intermediate size divided), the partial outputs of o_proj,
+out_proj and down_proj are summed (`target._forward`'s all-reduces) and the head's logits gathered
+(`layers.GatheredLinear`). The KV cache, the conv and the recurrent state live sharded by head; everything else
+(tree, acceptance, drafter) runs replicated.
 
 GGUF tiles value heads (value head h reads key head h mod nk), so a contiguous split of value heads would not follow
 a contiguous split of key heads: shard s takes value heads t * nk + s * nk_l + m (t < nv / nk, m < nk_l = nk / n), in
@@ -34,8 +35,7 @@ from dflash_jax.models.target import Target, TargetState, init_state, target_ten
 from dflash_jax.quant import FORMATS, QTensor
 
 # module names whose weights every shard holds whole
-REPLICATED = frozenset({"embed_tokens", "lm_head", "norm", "input_layernorm", "post_attention_layernorm", "q_norm",
-                        "k_norm"})
+REPLICATED = frozenset({"embed_tokens", "norm", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"})
 
 
 def check_present(n: int) -> None:
@@ -85,11 +85,11 @@ def _block(x: Any) -> int:
 
 
 def check_split(cfg: TargetConfig, tensors: dict[str, Any], n: int) -> None:
-    """Raise ConfigError unless the target splits n ways: heads and intermediate size divide, and the column slices
-    of each quantized o_proj, out_proj and down_proj start and end on its blocks."""
+    """Raise ConfigError unless the target splits n ways: heads, intermediate size and vocabulary divide, and the
+    column slices of each quantized o_proj, out_proj and down_proj start and end on its blocks."""
     for what, count in (("KV heads", cfg.num_kv_heads), ("Gated DeltaNet key heads", cfg.linear_num_key_heads),
                         ("Gated DeltaNet value heads", cfg.linear_num_value_heads),
-                        ("intermediate size", cfg.intermediate_size)):
+                        ("intermediate size", cfg.intermediate_size), ("vocabulary", cfg.vocab_size)):
         if count % n:
             raise ConfigError(f"--devices {n}: the target's {count} {what} do not split {n} ways")
     if n == 1:
@@ -158,6 +158,7 @@ def _mlp_slices(cfg: TargetConfig, n: int, s: int) -> dict[str, tuple[str, np.nd
 def shard_tensors(cfg: TargetConfig, tensors: dict[str, Any], n: int, shard: int) -> dict[str, Any]:
     """One shard's tensors by GGUF name (`check_split` first): its slices of the split ones, the others as they are."""
     out = dict(tensors)
+    out["output.weight"] = _rows(tensors["output.weight"], _span(shard, cfg.vocab_size // n))
     for i, layer_type in enumerate(cfg.layer_types):
         slices = {**_layer_slices(cfg, n, shard, layer_type), **_mlp_slices(cfg, n, shard)}
         for name, (how, idx) in slices.items():
@@ -287,7 +288,8 @@ class ShardedTarget(SplitTarget):
         lcfg, devices = local_config(cfg, n), jax.local_devices()[:n]
         graph, shards = None, []
         for s in range(n):
-            local = target.target_from_tensors(lcfg, prepare_target(shard_tensors(cfg, tensors, n, s), kcfg), kcfg)
+            local = target.target_from_tensors(lcfg, prepare_target(shard_tensors(cfg, tensors, n, s), kcfg), kcfg,
+                                               head_axis=pcfg.axis)
             graph, weights = split_weights(local)
             shards.append(jax.device_put(weights, devices[s]))  # on its device at once: one shard at a time here
         mesh = Mesh(np.asarray(devices), (pcfg.axis,))

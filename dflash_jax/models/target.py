@@ -23,7 +23,8 @@ from dflash_jax import kernels
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import FULL_ATTENTION, KernelConfig, TargetConfig
 from dflash_jax.kernels import REFERENCE
-from dflash_jax.models.layers import MLP, AttentionWeights, Embedding, Linear, RMSNorm, rope, weight_at, write_rows
+from dflash_jax.models.layers import (MLP, AttentionWeights, Embedding, GatheredLinear, Linear, RMSNorm, rope,
+                                     weight_at, write_rows)
 from dflash_jax.quant import QTensor
 
 # GGUF tensor name inside a block -> the path of its variable in a DecoderLayer (HF's names, modeling_qwen3_5).
@@ -224,17 +225,19 @@ class DecoderLayer(nnx.Module):
 
 class Target(nnx.Module):
     """The hybrid target (HF's Qwen3_5ForCausalLM): embedding, decoder layers, final norm and head, with its config
-    and the KernelConfig its matrices are laid out for (every engine built on it runs that configuration)."""
+    and the KernelConfig its matrices are laid out for (every engine built on it runs that configuration). A shard of
+    a tensor-parallel target (dflash_jax/parallel.py) holds its rows of the head, split over mesh axis `head_axis`."""
 
     def __init__(self, config: TargetConfig, embed_tokens: Any, layers: list[DecoderLayer], norm: jax.Array,
-                 lm_head: Any | None, kcfg: KernelConfig = REFERENCE):
+                 lm_head: Any | None, kcfg: KernelConfig = REFERENCE, head_axis: str | None = None):
         self.config, self.kcfg = config, kcfg
         self.embed_tokens = Embedding(embed_tokens)
         self.layers = nnx.List(layers)
         self.norm = RMSNorm(norm, config.rms_norm_eps)
         # None: tied, the embedding's own variable (trained once); a loaded model's tied head is a copy of the
         # embedding in the kernels' layout (load.prepare_target)
-        self.lm_head = Linear(self.embed_tokens.weight if lm_head is None else lm_head)
+        head = self.embed_tokens.weight if lm_head is None else lm_head
+        self.lm_head = Linear(head) if head_axis is None else GatheredLinear(head, head_axis)
 
 
 def _sub_args(tensors: Mapping[str, Any], prefix: str, sub: str) -> dict[str, Any]:
@@ -244,9 +247,10 @@ def _sub_args(tensors: Mapping[str, Any], prefix: str, sub: str) -> dict[str, An
 
 
 def target_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.ndarray],
-                        kcfg: KernelConfig = REFERENCE) -> Target:
+                        kcfg: KernelConfig = REFERENCE, head_axis: str | None = None) -> Target:
     """The Target holding tensors by GGUF name as they are (QTensor matrices, float32 vectors; nothing is copied);
-    MTP blocks are left out, and without output.weight (tied) the head shares the embedding's variable."""
+    MTP blocks are left out, and without output.weight (tied) the head shares the embedding's variable. `head_axis`:
+    a shard's tensors, whose output.weight is its rows of the head (`Target`)."""
     eps, layers = cfg.rms_norm_eps, []
     for i, layer_type in enumerate(cfg.layer_types):
         prefix = f"blk.{i}."
@@ -258,7 +262,7 @@ def target_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.nd
                                    RMSNorm(tensors[prefix + "post_attention_norm.weight"], eps),
                                    MLP(**_sub_args(tensors, prefix, "mlp"))))
     embed = tensors["token_embd.weight"]
-    return Target(cfg, embed, layers, tensors["output_norm.weight"], tensors.get("output.weight"), kcfg)
+    return Target(cfg, embed, layers, tensors["output_norm.weight"], tensors.get("output.weight"), kcfg, head_axis)
 
 
 def target_tensors(model: Target) -> dict[str, Any]:
