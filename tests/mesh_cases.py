@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from dflash_jax.config import EngineConfig, ParallelConfig  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.prefill import prefill_chunks  # noqa: E402
+from dflash_jax.engine.state import rewind  # noqa: E402
 from dflash_jax.load import load_draft, load_target  # noqa: E402
 from dflash_jax.testing.oracle import OracleDrafter  # noqa: E402
 from dflash_jax.testing.tiny import random_target, tiny_target_config  # noqa: E402
@@ -59,6 +60,15 @@ def fixture_cases() -> dict:
                 logit_err2=rel_err(prefill_logits(two, ids), prefill_logits(one, ids)))
 
 
+def resumed(engine: Engine, ids: np.ndarray) -> list[list[int]]:
+    """The ids a conversation's later turns emit from a restored Snapshot and from a rewound Mark (the server's
+    prefix cache and chat's regenerate), as `engine` emits them."""
+    first = engine.generate(ids, 4, snapshot_at=(32,), mark_at=36)
+    restored = engine.generate(ids[32:], 4, after=engine.restore(first.snapshots[0]), keep_pending=False)
+    rewound = engine.generate(ids[36:], 4, after=rewind(first.state, first.mark), keep_pending=False)
+    return [first.tokens, restored.tokens, rewound.tokens]
+
+
 def wide_cases() -> dict:
     """A random target with 4 KV heads: one device's AR ids, 2- and 4-way meshes' AR ids and logits, and their
     DDTree with a drafter that knows the answer (so the commits take deep paths)."""
@@ -70,10 +80,13 @@ def wide_cases() -> dict:
     sequence = np.zeros(MAX_CTX, np.int32)
     sequence[:len(ids) + N_GEN] = np.concatenate([ids, ref])
     out = dict(ref=ref)
+    out["resumed"] = resumed(one, ids)
     for n in (2, 4):
         mesh = Engine(WIDE, model, ar, parallel=ParallelConfig(n))
         if n == 4:  # the fixture's AR runs on 2
             out["ar4"] = mesh.generate(ids, N_GEN).tokens
+        else:
+            out["resumed2"] = resumed(mesh, ids)
         out[f"logit_err{n}"] = rel_err(prefill_logits(mesh, ids), prefill_logits(one, ids))
         tree = Engine(WIDE, model, EngineConfig(mode="ddtree", budget=8, topk=3, max_ctx=MAX_CTX),
                       OracleDrafter(8, WIDE.vocab_size, 0.25, seed=1), {"sequence": jnp.asarray(sequence)},

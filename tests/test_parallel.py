@@ -53,6 +53,13 @@ def test_a_four_kv_head_target_on_two_and_four_devices_matches_one(mesh_run):
     assert run["ar4"] == run["ref"]
 
 
+def test_a_sharded_state_resumes_from_a_snapshot_and_a_mark(mesh_run):
+    """The server's prefix cache and chat's regenerate on a 2-way mesh: a Snapshot restored and a Mark rewound (their
+    copies of the sharded caches and recurrent state) continue as one device's do."""
+    run = mesh_run["wide"]
+    assert run["resumed2"] == run["resumed"] and run["resumed"][0] == run["ref"][:4]
+
+
 def test_value_heads_follow_their_key_heads():
     """Each shard's value heads read its key heads in its local tiling (value head j reads key head j mod nk_l),
     and the shards together hold every value head once."""
