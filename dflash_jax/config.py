@@ -240,9 +240,24 @@ class EngineConfig:
         return self.chain_seed if self.chain_seed is not None else self.budget > depth
 
 
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh the target runs on: `devices` local devices on one axis, the target tensor-parallel over them
+    (dflash_jax/parallel.py; docs/architecture.md, "Several devices"). One device is the program without a mesh."""
+
+    devices: int = 1
+    axis: str = "tp"  # the mesh axis's name, which the all-reduces name
+
+    def __post_init__(self):
+        _check(isinstance(self.devices, int) and self.devices >= 1, f"devices {self.devices!r} must be at least 1")
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+SINGLE_DEVICE = ParallelConfig()  # the default: the target on one device, no mesh
 
 
 def _require(d: Mapping[str, Any], key: str, where: str) -> Any:

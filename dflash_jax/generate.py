@@ -25,7 +25,8 @@ import time
 from typing import Sequence
 
 from dflash_jax import assets
-from dflash_jax.config import DRAFT_CTX, DRAFT_RULES, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
+from dflash_jax.config import (DRAFT_CTX, DRAFT_RULES, KV_TYPES, NUMERICS, SINGLE_DEVICE, EngineConfig, KernelConfig,
+                               ParallelConfig)
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, free_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
@@ -33,6 +34,7 @@ from dflash_jax.engine.sampling import SamplingParams, seed_or_drawn
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
 from dflash_jax.load import (TargetFile, check_path, draft_config, load_draft, load_target, open_target,
                              target_tokenizer)
+from dflash_jax.parallel import check_split, load_layout, parallel_config
 from dflash_jax.profiling import CompileLog, StepTrace
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, require_utf8
@@ -93,10 +95,13 @@ def open_models(target_path: str, draft_path: str | None, mode: str) -> Opened:
     return Opened(target, tokenizer, draft_path if mode != "ar" else None, time.perf_counter() - t0)
 
 
-def load_weights(opened: Opened, kcfg: KernelConfig, progress: bool = True) -> Models:
-    """Load the weights of opened models, laid out for `kcfg`."""
+def load_weights(opened: Opened, kcfg: KernelConfig, progress: bool = True,
+                 parallel: ParallelConfig = SINGLE_DEVICE) -> Models:
+    """Load the weights of opened models, laid out for `kcfg` (a target to split over several devices, as stored:
+    `parallel.load_layout`)."""
     t0 = time.perf_counter()
-    target = load_target(opened.target, progress=progress, kcfg=kcfg)
+    check_split(opened.target.config, {}, parallel.devices)  # the heads, before any weight is read
+    target = load_target(opened.target, progress=progress, kcfg=load_layout(kcfg, parallel))
     draft = None
     if opened.draft_path is not None:
         draft = load_draft(opened.draft_path, target.config, progress=progress, kcfg=kcfg)
@@ -104,9 +109,10 @@ def load_weights(opened: Opened, kcfg: KernelConfig, progress: bool = True) -> M
 
 
 def load_models(target_path: str, draft_path: str | None, mode: str, kcfg: KernelConfig,
-                progress: bool = True) -> Models:
-    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other, laid out for `kcfg`."""
-    return load_weights(open_models(target_path, draft_path, mode), kcfg, progress)
+                progress: bool = True, parallel: ParallelConfig = SINGLE_DEVICE) -> Models:
+    """Load target, tokenizer and (unless mode is ar) drafter, checked against each other, laid out for `kcfg` (the
+    target for `parallel`'s devices: `load_weights`)."""
+    return load_weights(open_models(target_path, draft_path, mode), kcfg, progress, parallel)
 
 
 def prompt_tokens(tokenizer: Tokenizer, text: str, *, system: str | None = None, raw: bool = False,
@@ -266,6 +272,7 @@ def run(argv: Sequence[str]) -> int:
     check_profile_dir(f.profile)
     target_path, draft_path = resolve_paths(f.target, f.draft)
     ecfg, kcfg = resolve_flags(f, max_ctx=f.max_ctx or CTX_ROUND)  # checks the values; max_ctx is fitted below
+    pcfg = parallel_config(f.devices)
     sampling = sampling_from_flags(f)
     ids, text = prompt_input(f)
     log = CompileLog() if f.compile_report else None
@@ -277,8 +284,8 @@ def run(argv: Sequence[str]) -> int:
         check_tokens(cfg, ids)  # every check of the prompt before the weights load
         ecfg = dataclasses.replace(ecfg, max_ctx=fit_max_ctx(f.max_ctx, len(ids), f.n_gen,
                                                              cfg.max_position_embeddings))
-        models = load_weights(opened, kcfg, progress=not f.json)
-        engine = Engine.from_loaded(models.target, models.draft, ecfg)
+        models = load_weights(opened, kcfg, progress=not f.json, parallel=pcfg)
+        engine = Engine.from_loaded(models.target, models.draft, ecfg, pcfg, kcfg)
         check_memory(engine)
         decoder = tok.stream(skip_stops=True)
 
@@ -304,7 +311,8 @@ def run(argv: Sequence[str]) -> int:
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
                    steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, kv_type=ecfg.kv_type,
                    kv_type_k=ecfg.kv_types[0], kv_type_v=ecfg.kv_types[1], draft_ctx=ecfg.draft_ctx,
-                   backend=_backend(), device_class=device_class(), kernels=dataclasses.asdict(kcfg),
+                   backend=_backend(), device_class=device_class(), devices=pcfg.devices,
+                   kernels=dataclasses.asdict(kcfg),
                    sampling=dataclasses.asdict(sampling))
         if tracer is not None:
             out["profile_steps"] = tracer.traced_steps
@@ -335,10 +343,11 @@ def engine_from_flags(argv: Sequence[str]):
     enable_jit_cache(f.jit_cache)
     target_path, draft_path = resolve_paths(f.target, f.draft)
     ecfg, kcfg = resolve_flags(f)
+    pcfg = parallel_config(f.devices)
     if f.n_gen >= f.max_ctx:
         raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
-    models = load_models(target_path, draft_path, f.mode, kcfg)
-    return Engine.from_loaded(models.target, models.draft, ecfg), models, target_path
+    models = load_models(target_path, draft_path, f.mode, kcfg, parallel=pcfg)
+    return Engine.from_loaded(models.target, models.draft, ecfg, pcfg, kcfg), models, target_path
 
 
 def main(argv: Sequence[str]) -> None:
@@ -405,6 +414,9 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
                       "(the same rounding at every row count; float32 delta-rule products, slower on a GPU); fast: "
                       "one-token int8 GEMVs, TF32 delta-rule products, bf16 softmax weights: NOT exact. Default: exact "
                       "(the drafter always runs fast: it cannot change the output).", flag_values=fv)
+    flags.DEFINE_string("devices", "1", "Local devices (GPUs) to split the target over, tensor-parallel (a count, or "
+                        "'all'); the drafter runs whole on each (docs/architecture.md, \"Several devices\").",
+                        flag_values=fv)
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.", flag_values=fv)
 

@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import assets
-from dflash_jax.config import KV_TYPES, TargetConfig
+from dflash_jax.config import KV_TYPES, SINGLE_DEVICE, KernelConfig, ParallelConfig, TargetConfig
 from dflash_jax.defaults import free_memory, host_memory, resolve_engine, resolve_kernels
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
 from dflash_jax.errors import InputError, brief, run_main
 from dflash_jax.load import Target, load_target, open_target, target_tokenizer
 from dflash_jax.models.target import init_state
+from dflash_jax.parallel import check_split, load_layout, parallel_config, split_target
 from dflash_jax.tokenizer import require_utf8
 
 
@@ -86,16 +87,19 @@ def read_ids(spec: str, flag: str = "--ids") -> np.ndarray:
 
 
 def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_type: str = "f32",
-          v_type: str | None = None, slots: int | None = None) -> Score:
+          v_type: str | None = None, slots: int | None = None, kcfg: KernelConfig | None = None,
+          parallel: ParallelConfig = SINGLE_DEVICE) -> Score:
     """Teacher-forced logits of every position of ids (a float32 KV cache by default, the reference precision; the
     values in `v_type` if given), in a cache of `slots` (default: the sequence rounded up to the chunk; one size for
-    sequences of several lengths compiles the chunk once)."""
+    sequences of several lengths compiles the chunk once). With `parallel` over several devices the target (loaded
+    as stored: `parallel.load_layout`) is split over them, each shard laid out for `kcfg` (default: the model's)."""
     cfg = model.config
+    kcfg = model.kcfg if kcfg is None else kcfg
     ids = check_tokens(cfg, ids)
-    state = init_state(cfg, slots=slots or -(-len(ids) // chunk) * chunk, kv_type=kv_type, v_type=v_type)
+    split = split_target(model, kcfg, parallel)
+    state = split.init_state(cfg, slots=slots or -(-len(ids) // chunk) * chunk, kv_type=kv_type, v_type=v_type)
     logits = []
-    for _, lg, _, state in prefill_chunks(model, cfg, state, ids, chunk=chunk, all_logits=True,
-                                          kcfg=model.kcfg):
+    for _, lg, _, state in prefill_chunks(split, cfg, state, ids, chunk=chunk, all_logits=True, kcfg=kcfg):
         logits.append(np.asarray(lg, np.float32))  # to the host chunk by chunk: [n, V] can be large
     logits = np.concatenate(logits)
     if len(ids) < 2:
@@ -157,15 +161,17 @@ def run(argv: list[str]) -> int:
     kv_types = resolve_engine(kv_type=f.kv_type, kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v).kv_types
     # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
     kcfg = resolve_kernels("ddtree")
+    pcfg = parallel_config(f.devices)
     t0 = time.perf_counter()
     target = open_target(f.target or assets.DEFAULT_TARGET)
+    check_split(target.config, {}, pcfg.devices)
     if ids is None:
         ids = np.asarray(target_tokenizer(target).encode(text))
     check_tokens(target.config, ids)
     check_fits(target.config, len(ids), f.chunk, kv_types)
-    model = load_target(target, kcfg=kcfg)
+    model = load_target(target, kcfg=load_layout(kcfg, pcfg))
     t1 = time.perf_counter()
-    result = score(model, ids, chunk=f.chunk, kv_type=kv_types[0], v_type=kv_types[1])
+    result = score(model, ids, chunk=f.chunk, kv_type=kv_types[0], v_type=kv_types[1], kcfg=kcfg, parallel=pcfg)
     t2 = time.perf_counter()
     if out:
         np.save(out, result.logits)
@@ -197,4 +203,6 @@ if __name__ == "__main__":
                       "GPU, f32 on a CPU).")
     flags.DEFINE_enum("kv_type_k", None, list(KV_TYPES), "The keys' KV cache type (default: --kv_type).")
     flags.DEFINE_enum("kv_type_v", None, list(KV_TYPES), "The values' KV cache type (default: --kv_type).")
+    flags.DEFINE_string("devices", "1", "Local devices (GPUs) to split the target over, tensor-parallel (a count, or "
+                        "'all').")
     app.run(main, flags_parser=lambda argv: parse_flags(argv, "score"))

@@ -45,13 +45,14 @@ from benchlib import (add_engine_flags, copy_rate, engine_settings, environment,
 from exactness import margin  # noqa: E402
 
 from dflash_jax import kv_quant as kvq  # noqa: E402
-from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig  # noqa: E402
+from dflash_jax.config import MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig  # noqa: E402
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.sampling import GREEDY  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.generate import kv_cache_words  # noqa: E402
+from dflash_jax.parallel import load_layout, parallel_config  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
 from dflash_jax.testing import synthetic  # noqa: E402
@@ -64,9 +65,11 @@ NO_STOPS = ()
 # ---------------------------------------------------------------------------------------------------------------
 # Models and memory
 
-def make_models(kind: str, kcfg: KernelConfig, log=print):
+def make_models(kind: str, kcfg: KernelConfig, log=print, target_kcfg: KernelConfig | None = None):
     """(target, draft, info) for `27b` (synthetic full size) or `tiny`, laid out for `kcfg` as load_target lays out a
-    real pair; info: seconds and bytes."""
+    real pair (the target for `target_kcfg` if given: the layout a target to shard loads in); info: seconds and
+    bytes."""
+    target_kcfg = kcfg if target_kcfg is None else target_kcfg
     t0 = time.perf_counter()
     stored: dict[str, int] = {}
 
@@ -76,10 +79,10 @@ def make_models(kind: str, kcfg: KernelConfig, log=print):
             log(f"  {len(stored)} tensors, {sum(stored.values()) / 1e9:.1f} GB")
 
     if kind == "27b":
-        target, draft = synthetic.synthetic_27b(kcfg, on_tensor=progress)
+        target, draft = synthetic.synthetic_27b(kcfg, on_tensor=progress, target_kcfg=target_kcfg)
     else:
         cfg = tiny_target_config(num_layers=4, vocab_size=2048)  # 3 Gated DeltaNet layers, then attention
-        target = synthetic.synthetic_target(cfg, kcfg=kcfg, on_tensor=progress)
+        target = synthetic.synthetic_target(cfg, kcfg=target_kcfg, on_tensor=progress)
         draft = synthetic.synthetic_draft(tiny_draft_config(cfg, block_size=16), kcfg=kcfg)
     jax.block_until_ready((target, draft))
     # the bytes one decode step streams: every matrix but the embedding table (read by row), in its GGUF size
@@ -98,15 +101,18 @@ def memory() -> dict:
     return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
 
 
-def engine_for(target, draft, ecfg: EngineConfig, forced: bool = False) -> Engine:
-    """An engine over the loaded pair, as the commands build theirs (Engine.from_loaded); forced wraps the drafter in
-    ForcedDrafter (params set by `forced_params`)."""
-    engine = Engine.from_loaded(target, None if ecfg.mode == "ar" else draft, ecfg)
+def engine_for(target, draft, ecfg: EngineConfig, forced: bool = False, parallel: ParallelConfig = SINGLE_DEVICE,
+               kcfg: KernelConfig | None = None) -> Engine:
+    """An engine over the loaded pair, as the commands build theirs (Engine.from_loaded: the target split over
+    `parallel`'s devices, laid out for `kcfg`, default the target's); forced wraps the drafter in ForcedDrafter
+    (params set by `forced_params`)."""
+    kcfg = target.kcfg if kcfg is None else kcfg
+    engine = Engine.from_loaded(target, None if ecfg.mode == "ar" else draft, ecfg, parallel, kcfg)
     if forced and ecfg.mode != "ar":
         drafter = ForcedDrafter(engine.drafter, target.config.vocab_size)
         return Engine(target.config, target, ecfg, drafter,
                       {"real": draft, "sequence": jnp.zeros(1, jnp.int32), "error_rate": jnp.float32(0)},
-                      kcfg=target.kcfg)
+                      kcfg=kcfg, parallel=parallel)
     return engine
 
 
@@ -362,6 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree steps at")
     ap.add_argument("--long_phases", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the DDTree step's phases at each long context (each phase compiles alone)")
+    ap.add_argument("--devices", default="1", help="local devices to split the target over, tensor-parallel (a count, "
+                    "or 'all'), as generate's --devices")
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree steps here")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
     add_engine_flags(ap)
@@ -399,7 +407,13 @@ def run(args: argparse.Namespace) -> None:
     base, kcfg = engine_settings(args)  # what `generate` runs with the same flags (a DDTree; AR rows below)
     res["engine"], res["kernels"] = dataclasses.asdict(base), dataclasses.asdict(kcfg)
     log(f"{kcfg.describe()}; {kv_cache_words(base)}, DDTree budget {base.budget}")
-    target, draft, info = make_models(args.model, kcfg, log)
+    pcfg = parallel_config(args.devices)
+    if pcfg.devices > 1 and ("steps" in sections or ("long" in sections and args.long_phases)):
+        raise SystemExit("--devices: a sharded target's step is timed whole (sections ar, forced, long with "
+                         "--no-long_phases, compiled_memory); timing its phases apart is not implemented")
+    res["devices"] = pcfg.devices
+    target, draft, info = make_models(args.model, kcfg, log, load_layout(kcfg, pcfg))
+    build = functools.partial(engine_for, parallel=pcfg, kcfg=kcfg)  # every engine of the run: on --devices
     res["models"] = info | {"memory_after_load": memory()}
     log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "
         f"drafter {info['draft_device_bytes'] / 1e9:.2f} GB; {res['models']['memory_after_load']}")
@@ -413,7 +427,7 @@ def run(args: argparse.Namespace) -> None:
         res["compiled_memory"] = []
         for ctx in [args.max_ctx] + [int(x) for x in args.long.split(",") if x]:
             for mode in ("ar", "ddtree"):
-                engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
+                engine = build(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, _ = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row = dict(context=ctx, mode=mode, state_bytes=synthetic.tree_bytes(state),
                            **compiled_memory(engine.step, engine.tweights, engine.dweights, state,
@@ -426,7 +440,7 @@ def run(args: argparse.Namespace) -> None:
     if not sections & {"ar", "forced", "steps", "long"}:
         return finish(res, compiles, save, t_start)
     if sections & {"ar", "forced", "steps"}:  # the forced runs follow the AR's greedy continuation
-        sequence, ar_ms = time_ar(args, engine_for(target, draft, dataclasses.replace(base, mode="ar")), prompt,
+        sequence, ar_ms = time_ar(args, build(target, draft, dataclasses.replace(base, mode="ar")), prompt,
                                   floor_ms, res, log)
         save()
 
@@ -435,7 +449,7 @@ def run(args: argparse.Namespace) -> None:
     if "forced" in sections:
         res["forced"], res["forced_tries"] = [], []
         forced_budget = args.forced_budget or base.budget
-        engine = engine_for(target, draft, dataclasses.replace(base, budget=forced_budget), forced=True)
+        engine = build(target, draft, dataclasses.replace(base, budget=forced_budget), forced=True)
         for goal in [float(a) for a in args.als.split(",") if a]:
             if over():
                 break
@@ -466,7 +480,7 @@ def run(args: argparse.Namespace) -> None:
             ctx = length + 512  # room for the timed commits past the faked length
             row = dict(context=length, budget=base.budget)
             for mode in ("ar", "ddtree"):
-                engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
+                engine = build(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row[f"{mode}_state_bytes"] = synthetic.tree_bytes(state)
                 if mode == "ddtree" and args.long_phases:
@@ -488,7 +502,7 @@ def run(args: argparse.Namespace) -> None:
             if over():
                 log("time limit: skipping the remaining budgets")
                 break
-            engine = engine_for(target, draft, dataclasses.replace(base, mode=mode, budget=budget), forced=True)
+            engine = build(target, draft, dataclasses.replace(base, mode=mode, budget=budget), forced=True)
             engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
             state, first = engine.start(prompt, args.max_ctx - len(prompt), NO_STOPS)
             phases = phase_times(engine, state, args.iters)

@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.config import MAX_TREE_NODES, EngineConfig, KernelConfig, TargetConfig
-from dflash_jax.engine.prefill import (DEFAULT_CHUNK, InputError, SplitTarget, check_tokens, prefill_chunks,
-                                       split_weights)
+from dflash_jax.config import MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig, TargetConfig
+from dflash_jax.engine.prefill import DEFAULT_CHUNK, InputError, check_tokens, prefill_chunks, split_weights
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
-from dflash_jax.models.target import Target, init_state
+from dflash_jax.models.target import Target
+from dflash_jax.parallel import split_target
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,14 +84,18 @@ class Engine:
 
     The target module and the drafter's params (a Draft module, or whatever its Drafter takes) are split once
     (`prefill.split_weights`): the jitted functions take their weights (`tweights`, `dweights`, dicts of arrays) and
-    close over their graphs, so no step merges, flattens or hashes a module."""
+    close over their graphs, so no step merges, flattens or hashes a module.
+
+    With `parallel` over several devices the target is split over them (dflash_jax.parallel.ShardedTarget: its
+    matrices must then be in the layout they load in), the drafter replicated."""
 
     def __init__(self, tcfg: TargetConfig, tparams: Target, ecfg: EngineConfig, drafter: Drafter | None = None,
-                 dparams: Any = None, kcfg: KernelConfig = REFERENCE):
+                 dparams: Any = None, kcfg: KernelConfig = REFERENCE, parallel: ParallelConfig = SINGLE_DEVICE):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
-        self.tcfg, self.ecfg = tcfg, ecfg
-        self.tsplit = SplitTarget.of(tparams)
+        self.tcfg, self.ecfg, self.pcfg = tcfg, ecfg, parallel
+        self.tsplit = split_target(tparams, kcfg, parallel)
+        self.parallel = self.tsplit.parallel
         self.tgraph, self.tweights = self.tsplit.graph, self.tsplit.weights
         self.drafter = drafter if ecfg.mode != "ar" else None
         self.block_size = drafter.block_size if self.drafter else 1
@@ -108,24 +112,29 @@ class Engine:
     def dparams(self, dparams: Any) -> None:
         # new params of the same graph (an oracle's sequence) reuse the compiled functions
         self.dgraph, self.dweights = split_weights(dparams)
-        self.step = make_step(self.tcfg, self.drafter, self.ecfg, self.tgraph, self.dgraph, self.kcfg)
+        self.dweights = self.tsplit.replicated(self.dweights)
+        self.step = make_step(self.tcfg, self.drafter, self.ecfg, self.tgraph, self.dgraph, self.kcfg, self.parallel)
         self.extend = extend_function(self.drafter, self.dgraph) if self.drafter else None
 
     @classmethod
-    def from_loaded(cls, target, draft, ecfg: EngineConfig) -> "Engine":
-        """An engine from `load_target` / `load_draft` results (draft may be None in ar mode)."""
+    def from_loaded(cls, target, draft, ecfg: EngineConfig, parallel: ParallelConfig = SINGLE_DEVICE,
+                    kcfg: KernelConfig | None = None) -> "Engine":
+        """An engine from `load_target` / `load_draft` results (draft may be None in ar mode); `kcfg` (default: the
+        target's) is the shards' layout when `parallel` splits a target loaded in the reference layout."""
+        kcfg = target.kcfg if kcfg is None else kcfg
         if draft is None:
-            return cls(target.config, target, ecfg, kcfg=target.kcfg)
+            return cls(target.config, target, ecfg, kcfg=kcfg, parallel=parallel)
         dcfg = draft.config
         draft_model.check_pair(dcfg, target.config)
-        return cls(target.config, target, ecfg, DFlashDrafter(dcfg, target.kcfg.drafter), draft, kcfg=target.kcfg)
+        return cls(target.config, target, ecfg, DFlashDrafter(dcfg, kcfg.drafter), draft, kcfg=kcfg,
+                   parallel=parallel)
 
     def _empty_states(self):
         """A fresh generation's (target state, drafter state or None). The target's has slack for the largest tree
         in every mode: one cache shape per max_ctx, so switching mode or budget does not compile the prefill again."""
         kv_types, max_ctx = self.ecfg.kv_types, self.ecfg.max_ctx
         draft = self.drafter.init_state(max_ctx, kv_types, self.ecfg.draft_ctx) if self.drafter else None
-        return init_state(self.tcfg, max_ctx + MAX_TREE_NODES, *kv_types), draft
+        return self.tsplit.init_state(self.tcfg, max_ctx + MAX_TREE_NODES, *kv_types), self.tsplit.replicated(draft)
 
     def state_bytes(self) -> int:
         """Bytes of the caches a generation allocates (`_empty_states`), from their shapes alone: nothing is

@@ -15,7 +15,7 @@ from dflash_jax.config import KernelConfig, TargetConfig
 from dflash_jax.errors import InputError
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import target
-from dflash_jax.models.target import Target, TargetState
+from dflash_jax.models.target import Target, TargetState, init_state
 
 DEFAULT_CHUNK = 64  # the chunked gated delta rule's chunk: one compilation covers every prompt length
 
@@ -44,16 +44,28 @@ def chunk_function(graph: nnx.GraphDef) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class SplitTarget:
-    """A Target split once: its graph, its weights (`split_weights`) and its jitted prefill chunk."""
+    """A Target split once: its graph, its weights (`split_weights`) and its jitted prefill chunk; a sharded one's
+    (dflash_jax/parallel.py) also its TargetParallel."""
 
     graph: nnx.GraphDef
     weights: dict
     chunk: Callable
+    parallel: Any = None  # dflash_jax.parallel.TargetParallel of a sharded target; None on one device
 
     @classmethod
     def of(cls, model: Target) -> "SplitTarget":
         graph, weights = split_weights(model)
         return cls(graph, weights, chunk_function(graph))
+
+    def init_state(self, cfg: TargetConfig, slots: int, kv_type: str = "f32", v_type: str | None = None
+                   ) -> TargetState:
+        """An empty state for this target (`target.init_state`; a sharded target's is laid out over its mesh)."""
+        return init_state(cfg, slots, kv_type, v_type)
+
+    def replicated(self, tree: Any) -> Any:
+        """A pytree the jitted functions read whole (the drafter's weights and state) placed for them: as it is on
+        one device (a sharded target copies it to every device of its mesh)."""
+        return tree
 
 
 def check_tokens(cfg: TargetConfig, ids: np.ndarray | list[int]) -> np.ndarray:

@@ -94,20 +94,23 @@ def emit_width(ecfg: EngineConfig, block_size: int) -> int:
     return depth + 1
 
 
-def step_tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None) -> Tree:
-    """The tree a step verifies: the root alone (ar), the draft's chain, or the DDTree of the draft logits."""
+def step_tree(ecfg: EngineConfig, root: jax.Array, logits: jax.Array | None, spmd: bool = False) -> Tree:
+    """The tree a step verifies: the root alone (ar), the draft's chain, or the DDTree of the draft logits (`spmd`:
+    in a program over several devices, `tree.build_tree`)."""
     if ecfg.mode == "ar":
         return Tree(tokens=root[None], parents=jnp.full(1, -1, jnp.int32), depths=jnp.zeros(1, jnp.int32),
                     valid=jnp.ones(1, bool), logw=jnp.zeros(1, jnp.float32))
     if ecfg.mode == "chain":
         return chain_tree(root, logits)
-    return build_tree(root, logits, ecfg.budget, min(ecfg.topk, ecfg.budget), ecfg.seeds_chain(logits.shape[0]))
+    return build_tree(root, logits, ecfg.budget, min(ecfg.topk, ecfg.budget), ecfg.seeds_chain(logits.shape[0]), spmd)
 
 
 def _step(tweights: nnx.State, dweights: nnx.State, state: DecodeState, stop_ids: jax.Array,
           sampling: Sampling | None = None, *, tgraph: nnx.GraphDef, dgraph: nnx.GraphDef, tcfg: TargetConfig,
-          drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig) -> tuple[DecodeState, StepOut]:
-    # the models as modules again, at trace time only: the compiled step takes their weights as arrays
+          drafter: Drafter | None, ecfg: EngineConfig, kcfg: KernelConfig, axis: str | None = None
+          ) -> tuple[DecodeState, StepOut]:
+    # the models as modules again, at trace time only: the compiled step takes their weights as arrays (with `axis`,
+    # one shard's weights and local config, inside the mesh's shard_map: dflash_jax/parallel.py)
     tparams, dparams = nnx.merge(tgraph, tweights), nnx.merge(dgraph, dweights)
     width = emit_width(ecfg, drafter.block_size if drafter else 1)
     taps = drafter.taps if drafter else ()
@@ -126,9 +129,9 @@ def _step(tweights: nnx.State, dweights: nnx.State, state: DecodeState, stop_ids
         logits = drafter.propose(dparams, state.draft, tparams, state.root, position, width - 1)
         if sampling is not None:
             logits = draft_scores(logits, noise[:width - 1], sampling, ecfg.draft_rule)
-    tree = step_tree(ecfg, state.root, logits)
+    tree = step_tree(ecfg, state.root, logits, spmd=axis is not None)
     tlogits, tapped, tstate, verified = target.verify(tparams, tcfg, state.target, tree.tokens, tree.parents, taps,
-                                                      kcfg)
+                                                      kcfg, axis=axis)
     posterior = sample(tlogits, None if noise is None else noise[tree.depths], sampling)
     leaf = accept(tree, verified.block.anc, posterior, state.remaining - 1, stop_ids)
     tstate = target.commit(tstate, verified, leaf, kcfg, skip=done)
@@ -157,11 +160,16 @@ def _step(tweights: nnx.State, dweights: nnx.State, state: DecodeState, stop_ids
 
 @functools.lru_cache(maxsize=None)
 def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, tgraph: nnx.GraphDef,
-              dgraph: nnx.GraphDef, kcfg: KernelConfig = REFERENCE):
+              dgraph: nnx.GraphDef, kcfg: KernelConfig = REFERENCE, parallel: Any = None):
     """The jitted step for one (target, drafter, engine, kernel) configuration and the graphs of the target and the
     drafter's params (`nnx.split`): (tweights, dweights, state, stop_ids, sampling) -> (state, StepOut), the state
-    donated; sampling None (greedy) and a Sampling compile apart."""
+    donated; sampling None (greedy) and a Sampling compile apart. With `parallel` (a dflash_jax.parallel.
+    TargetParallel) the step is one program over its mesh, tgraph one shard's graph and tweights all shards'."""
     if ecfg.mode != "ar" and drafter is None:
         raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
-    return jax.jit(functools.partial(_step, tgraph=tgraph, dgraph=dgraph, tcfg=tcfg, drafter=drafter, ecfg=ecfg,
-                                     kcfg=kcfg), donate_argnums=(2,))
+    if parallel is None:
+        return jax.jit(functools.partial(_step, tgraph=tgraph, dgraph=dgraph, tcfg=tcfg, drafter=drafter, ecfg=ecfg,
+                                         kcfg=kcfg), donate_argnums=(2,))
+    step = functools.partial(_step, tgraph=tgraph, dgraph=dgraph, tcfg=parallel.local, drafter=drafter, ecfg=ecfg,
+                             kcfg=kcfg, axis=parallel.axis)
+    return jax.jit(parallel.step(step), donate_argnums=(2,))

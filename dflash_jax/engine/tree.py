@@ -26,26 +26,33 @@ class Tree:
     logw: jax.Array  # [N] float32 joint draft log-prob of the node's prefix (0 for the root)
 
 
-def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Per depth: the top-k log-probabilities (full-vocabulary normalisation) and their token ids, best first."""
+def top_log_probs(logits: jax.Array, k: int, spmd: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Per depth: the top-k log-probabilities (full-vocabulary normalisation) and their token ids, best first
+    (`spmd`: in a program over several devices, `build_tree`)."""
     # XLA's GPU top-k kernel (__gpu$TopK) reads its operand as row-major whatever its layout; logits summed from the
     # Mosaic kernel's transposed [V, tokens] head product reached it column-major and gave another vocabulary's top-k
     # (H100, jax 0.11.2: scripts/mgpu_head_tree.py)
     logits = with_layout_constraint(logits.astype(jnp.float32), Layout(tuple(range(logits.ndim))))
     # the barrier keeps XLA on CPU from rewriting top_k as a full sort of the vocabulary (38 ms for 15 x 8192 on
     # two cores, against 0.5 ms) when a caller slices its outputs (the chain seed's lp[:, 0])
-    values, ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
+    if spmd:  # XLA's CPU TopkDecomposer crashes on a barrier of top_k's pair in a multi-device program (jax 0.10.2)
+        values, ids = jax.lax.top_k(logits, k)
+        values, ids = jax.lax.optimization_barrier(values), jax.lax.optimization_barrier(ids)
+    else:
+        values, ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
     return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
-def build_tree(root: jax.Array, logits: jax.Array, budget: int, topk: int, chain_seed: bool) -> Tree:
+def build_tree(root: jax.Array, logits: jax.Array, budget: int, topk: int, chain_seed: bool, spmd: bool = False
+               ) -> Tree:
     """The DDTree of `budget` nodes below root from draft logits [L, V] (row d-1 is the distribution at depth d).
 
     chain_seed inserts the top-1 chain (depths 1..min(L, budget)) first and queues its rank-1 siblings, as the C++
-    engine does; without it this is the paper's builder (the heap starts at depth 1, rank 0).
+    engine does; without it this is the paper's builder (the heap starts at depth 1, rank 0). `spmd`: the tree is
+    built inside a program over several devices (dflash_jax/parallel.py), which needs another form of its top-k.
     """
     depth_limit = logits.shape[0]
-    lp, ids = top_log_probs(logits, topk)
+    lp, ids = top_log_probs(logits, topk, spmd)
     n = budget + 1
     pool = 2 * budget + depth_limit + 1
     chain = min(depth_limit, budget) if chain_seed else 0

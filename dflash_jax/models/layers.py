@@ -103,6 +103,19 @@ class Linear(nnx.Module):
         return linear(x, self.weight.get_value(), kcfg)
 
 
+class GatheredLinear(Linear):
+    """A Linear holding a shard's rows of a matrix split over a mesh axis (inside a shard_map): its products are
+    gathered along the last axis, every shard's rows in order, so each shard sees the whole product."""
+
+    def __init__(self, weight: Any, axis: str):
+        super().__init__(weight)
+        self.axis = axis
+
+    def __call__(self, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
+        y = super().__call__(x, kcfg)
+        return jax.lax.all_gather(y, self.axis, axis=y.ndim - 1, tiled=True)
+
+
 class RMSNorm(nnx.Module):
     """`rms_norm` with its weight [dim] (GGUF norms have Qwen's +1 folded in) and epsilon."""
 

@@ -23,7 +23,8 @@ from dflash_jax import kernels
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import FULL_ATTENTION, KernelConfig, TargetConfig
 from dflash_jax.kernels import REFERENCE
-from dflash_jax.models.layers import MLP, AttentionWeights, Embedding, Linear, RMSNorm, rope, weight_at, write_rows
+from dflash_jax.models.layers import (MLP, AttentionWeights, Embedding, GatheredLinear, Linear, RMSNorm, rope,
+                                     weight_at, write_rows)
 from dflash_jax.quant import QTensor
 
 # GGUF tensor name inside a block -> the path of its variable in a DecoderLayer (HF's names, modeling_qwen3_5).
@@ -224,17 +225,19 @@ class DecoderLayer(nnx.Module):
 
 class Target(nnx.Module):
     """The hybrid target (HF's Qwen3_5ForCausalLM): embedding, decoder layers, final norm and head, with its config
-    and the KernelConfig its matrices are laid out for (every engine built on it runs that configuration)."""
+    and the KernelConfig its matrices are laid out for (every engine built on it runs that configuration). A shard of
+    a tensor-parallel target (dflash_jax/parallel.py) holds its rows of the head, split over mesh axis `head_axis`."""
 
     def __init__(self, config: TargetConfig, embed_tokens: Any, layers: list[DecoderLayer], norm: jax.Array,
-                 lm_head: Any | None, kcfg: KernelConfig = REFERENCE):
+                 lm_head: Any | None, kcfg: KernelConfig = REFERENCE, head_axis: str | None = None):
         self.config, self.kcfg = config, kcfg
         self.embed_tokens = Embedding(embed_tokens)
         self.layers = nnx.List(layers)
         self.norm = RMSNorm(norm, config.rms_norm_eps)
         # None: tied, the embedding's own variable (trained once); a loaded model's tied head is a copy of the
         # embedding in the kernels' layout (load.prepare_target)
-        self.lm_head = Linear(self.embed_tokens.weight if lm_head is None else lm_head)
+        head = self.embed_tokens.weight if lm_head is None else lm_head
+        self.lm_head = Linear(head) if head_axis is None else GatheredLinear(head, head_axis)
 
 
 def _sub_args(tensors: Mapping[str, Any], prefix: str, sub: str) -> dict[str, Any]:
@@ -244,9 +247,10 @@ def _sub_args(tensors: Mapping[str, Any], prefix: str, sub: str) -> dict[str, An
 
 
 def target_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.ndarray],
-                        kcfg: KernelConfig = REFERENCE) -> Target:
+                        kcfg: KernelConfig = REFERENCE, head_axis: str | None = None) -> Target:
     """The Target holding tensors by GGUF name as they are (QTensor matrices, float32 vectors; nothing is copied);
-    MTP blocks are left out, and without output.weight (tied) the head shares the embedding's variable."""
+    MTP blocks are left out, and without output.weight (tied) the head shares the embedding's variable. `head_axis`:
+    a shard's tensors, whose output.weight is its rows of the head (`Target`)."""
     eps, layers = cfg.rms_norm_eps, []
     for i, layer_type in enumerate(cfg.layer_types):
         prefix = f"blk.{i}."
@@ -258,7 +262,7 @@ def target_from_tensors(cfg: TargetConfig, tensors: Mapping[str, QTensor | np.nd
                                    RMSNorm(tensors[prefix + "post_attention_norm.weight"], eps),
                                    MLP(**_sub_args(tensors, prefix, "mlp"))))
     embed = tensors["token_embd.weight"]
-    return Target(cfg, embed, layers, tensors["output_norm.weight"], tensors.get("output.weight"), kcfg)
+    return Target(cfg, embed, layers, tensors["output_norm.weight"], tensors.get("output.weight"), kcfg, head_axis)
 
 
 def target_tensors(model: Target) -> dict[str, Any]:
@@ -274,10 +278,17 @@ def _logits(model: Target, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
     return model.lm_head(model.norm(x), kcfg)
 
 
+def _all_reduce(x: jax.Array, axis: str | None) -> jax.Array:
+    """A shard's partial sum of a row-split projection summed over the mesh axis (as it is without one)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
 def _forward(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, block: Block,
-             taps: tuple[int, ...], prefill_valid: jax.Array | None, kcfg: KernelConfig):
+             taps: tuple[int, ...], prefill_valid: jax.Array | None, kcfg: KernelConfig, axis: str | None = None):
     """All layers over a block. Prefill (chain, `prefill_valid` tokens real) updates GDN state in place;
-    verify (tree) leaves it and returns what the commit needs."""
+    verify (tree) leaves it and returns what the commit needs. With `axis`, the model is one shard's of a
+    tensor-parallel target (dflash_jax/parallel.py) inside a shard_map: each mixer's and MLP's output is summed over
+    the axis."""
     x = model.embed_tokens(tokens)
     k_all, v_all, conv, ssm = state.k, state.v, state.conv, state.ssm
     tap_out, carries = {}, []
@@ -301,8 +312,8 @@ def _forward(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.A
                 conv = conv.at[ig].set(conv_in[conv_index[prefill_valid - 1, 1:]])
             out = layer.linear_attn.output(o, z, kcfg)
             ig += 1
-        x = x + out
-        x = x + layer.mlp(layer.post_attention_layernorm(x), kcfg)
+        x = x + _all_reduce(out, axis)
+        x = x + _all_reduce(layer.mlp(layer.post_attention_layernorm(x), kcfg), axis)
         if i in taps:
             tap_out[i] = x
     state = dataclasses.replace(state, k=k_all, v=v_all, conv=conv, ssm=ssm)
@@ -330,14 +341,15 @@ def _check_fits(state: TargetState, tokens: jax.Array) -> None:
 
 
 def prefill_chunk(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, n_valid: jax.Array,
-                  taps: tuple[int, ...] = (), all_logits: bool = False, kcfg: KernelConfig = REFERENCE
-                  ) -> tuple[jax.Array, jax.Array, TargetState]:
+                  taps: tuple[int, ...] = (), all_logits: bool = False, kcfg: KernelConfig = REFERENCE,
+                  axis: str | None = None) -> tuple[jax.Array, jax.Array, TargetState]:
     """Commit the first n_valid of P prompt tokens (the rest is padding); `kcfg` picks the kernels
-    (dflash_jax.kernels).
+    (dflash_jax.kernels), `axis` the mesh axis of a shard's model (`_forward`).
 
     Returns the logits of the last real token [V] (all P rows [P, V] with all_logits) and taps [P, n_taps, H].
     """
-    x, tapped, state, _ = _forward(model, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, kcfg)
+    x, tapped, state, _ = _forward(model, cfg, state, tokens, chain_block(tokens.shape[0]), taps, n_valid, kcfg,
+                                   axis)
     state = dataclasses.replace(state, length=state.length + n_valid)
     if not all_logits:
         x = jax.lax.dynamic_index_in_dim(x, n_valid - 1, keepdims=False)
@@ -345,15 +357,16 @@ def prefill_chunk(model: Target, cfg: TargetConfig, state: TargetState, tokens: 
 
 
 def verify(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.Array, parents: jax.Array,
-           taps: tuple[int, ...] = (), kcfg: KernelConfig = REFERENCE
+           taps: tuple[int, ...] = (), kcfg: KernelConfig = REFERENCE, axis: str | None = None
            ) -> tuple[jax.Array, jax.Array, TargetState, Verified]:
-    """Run a tree of N tokens on top of the committed state: logits [N, V], taps [N, n_taps, H].
+    """Run a tree of N tokens on top of the committed state: logits [N, V], taps [N, n_taps, H] (`axis`: the mesh
+    axis of a shard's model, `_forward`).
 
     Only the KV cache changes (the block's keys at slots length..length+N-1, not yet committed); GDN state is read.
     """
     _check_fits(state, tokens)
     block = tree_block(parents)
-    x, tapped, state, verified = _forward(model, cfg, state, tokens, block, taps, None, kcfg)
+    x, tapped, state, verified = _forward(model, cfg, state, tokens, block, taps, None, kcfg, axis)
     return _logits(model, x, kcfg), tapped, state, verified
 
 

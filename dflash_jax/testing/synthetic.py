@@ -106,8 +106,10 @@ def tree_bytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
 
 
-def synthetic_27b(kcfg: KernelConfig, seed: int = 0, on_tensor=None) -> tuple[Target, Draft]:
+def synthetic_27b(kcfg: KernelConfig, seed: int = 0, on_tensor=None, target_kcfg: KernelConfig | None = None
+                  ) -> tuple[Target, Draft]:
     """The Qwen3.5-27B Q4_K_M target and its 1.73B bf16 DFlash drafter, synthetic (configs/qwen3.5-27b*.json), laid
-    out for `kcfg` as load_target and load_draft lay out a real pair."""
-    target = synthetic_target(load_target_config(TARGET_27B), kcfg=kcfg, seed=seed, on_tensor=on_tensor)
+    out for `kcfg` as load_target and load_draft lay out a real pair (the target for `target_kcfg` if given)."""
+    target = synthetic_target(load_target_config(TARGET_27B), kcfg=kcfg if target_kcfg is None else target_kcfg,
+                              seed=seed, on_tensor=on_tensor)
     return target, synthetic_draft(load_draft_config(DRAFT_27B), kcfg=kcfg, seed=seed + 1)
