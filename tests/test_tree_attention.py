@@ -40,24 +40,36 @@ CASES = [(1, 4, 2, 32, 40, 0, None, "tree"), (5, 6, 2, 32, 40, 1, None, "tree"),
          (16, 4, 4, 16, 64, 64, 1, "full")]
 
 
+def block_mask(kind: str, n: int, length: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(the block's mask [n, n], each query's first prefix slot [n]) of a case's kind."""
+    if kind == "sliding":
+        return sliding(n, length, window=5)
+    blk = {"tree": lambda: random_ancestors(rng, n), "causal": lambda: np.tril(np.ones((n, n), bool)),
+           "full": lambda: np.ones((n, n), bool)}[kind]()
+    return blk, np.zeros(n, np.int32)
+
+
 @pytest.mark.parametrize("n,hq,hkv,d,slots,length,splits,kind", CASES)
 def test_kernel_matches_reference(n, hq, hkv, d, slots, length, splits, kind):
     """Unwritten partials would be NaN (interpret mode fills fresh outputs with NaN) and poison every row."""
-    rng = np.random.default_rng(n + slots)
     q, kc, vc, kb, vb = inputs(n * slots, n, hq, hkv, d, slots)
-    lo = np.zeros(n, np.int32)
-    if kind == "tree":
-        blk = random_ancestors(rng, n)
-    elif kind == "causal":
-        blk = np.tril(np.ones((n, n), bool))
-    elif kind == "sliding":
-        blk, lo = sliding(n, length, window=5)
-    else:
-        blk = np.ones((n, n), bool)
+    blk, lo = block_mask(kind, n, length, np.random.default_rng(n + slots))
     args = (q, kc, vc, jnp.int32(length), kb, vb, jnp.asarray(blk), jnp.asarray(lo))
     got = tree_attention(*args, splits=splits, interpret=not ON_GPU)
     assert got.shape == q.shape and bool(jnp.all(jnp.isfinite(got)))
     assert rel(got, ref.tree_attention(*args)) < 1e-2  # q, k, v and the probabilities in bf16
+
+
+@pytest.mark.parametrize("n,hq,hkv,d,slots,length,splits,kind", CASES + [(200, 4, 2, 16, 700, 500, None, "causal")])
+def test_blockwise_reference_matches_the_one_pass_reference(n, hq, hkv, d, slots, length, splits, kind):
+    """reference.tree_attention_blockwise (a long prefill chunk's) in blocks of 32 slots, the last one clamped to the
+    cache's end, against the one-pass softmax: contexts of 0 and 1 slot, odd lengths, a window, stacked caches."""
+    q, kc, vc, kb, vb = inputs(n * slots, n, hq, hkv, d, slots)
+    blk, lo = block_mask(kind, n, length, np.random.default_rng(n + slots))
+    stacked = [jnp.stack([c * 2.0, c]) for c in (kc, vc)]
+    args = (q, *stacked, jnp.int32(length), kb, vb, jnp.asarray(blk), jnp.asarray(lo))
+    got = jax.jit(ref.tree_attention_blockwise, static_argnames=("layer", "block"))(*args, layer=1, block=32)
+    assert rel(got, ref.tree_attention(*args, layer=1)) < 1e-6
 
 
 def test_bf16_cache_and_slots_past_length_are_ignored():
