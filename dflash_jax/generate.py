@@ -311,8 +311,8 @@ def run(argv: Sequence[str]) -> int:
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
                    steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, kv_type=ecfg.kv_type,
                    kv_type_k=ecfg.kv_types[0], kv_type_v=ecfg.kv_types[1], draft_ctx=ecfg.draft_ctx,
-                   backend=_backend(), device_class=device_class(), devices=pcfg.devices,
-                   kernels=dataclasses.asdict(kcfg),
+                   prefill_chunk=ecfg.prefill_chunk, backend=_backend(), device_class=device_class(),
+                   devices=pcfg.devices, kernels=dataclasses.asdict(kcfg),
                    sampling=dataclasses.asdict(sampling))
         if tracer is not None:
             out["profile_steps"] = tracer.traced_steps
