@@ -180,3 +180,21 @@ def test_a_token_sees_the_same_in_a_chain_as_alone(dtype):
                                **opts)[0]
         got[exact] = rel(alone, tree)
     assert got[True] < 2e-6 and got[False] > 1e-4, got
+
+
+@pytest.mark.parametrize("n,kind,length,slots", [(200, "causal", 150, 400), (100, "tree", 0, 200),
+                                                 (130, "sliding", 70, 256)])
+def test_a_long_chunk_reads_its_keys_a_tile_at_a_time(n, kind, length, slots):
+    """A prefill chunk longer than a key tile (64): the block program reads its keys a tile at a time, as the prefix
+    programs read the cache, and matches the reference; the causal chunk's last token sees what it sees alone after
+    the others were committed (exact numerics)."""
+    q, kc, vc, kb, vb = inputs(n, n, 4, 2, 32, slots)
+    blk, lo = block_mask(kind, n, length, np.random.default_rng(n))
+    args = (q, kc, vc, jnp.int32(length), kb, vb, jnp.asarray(blk), jnp.asarray(lo))
+    got = tree_attention(*args, interpret=not ON_GPU)
+    assert got.shape == q.shape and rel(got, ref.tree_attention(*args)) < 1e-2  # bf16 products
+    if kind == "causal":
+        kc_ar, vc_ar = kc.at[length:length + n - 1].set(kb[:-1]), vc.at[length:length + n - 1].set(vb[:-1])
+        alone = tree_attention(q[-1:], kc_ar, vc_ar, jnp.int32(length + n - 1), kb[-1:], vb[-1:],
+                               jnp.ones((1, 1), bool), jnp.asarray(lo[:1]), interpret=not ON_GPU)
+        assert rel(alone[0], got[-1]) < 5e-6  # measured 2.3e-6 over 350 keys (9 tokens: under 2e-6, above)
