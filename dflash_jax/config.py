@@ -130,7 +130,7 @@ class DraftConfig:
 
 IMPLS = ("reference", "pallas")
 MGPU_LAYOUTS = ("off", "beside", "only")
-KV_TYPES = tuple(_KV)  # f32, bf16, f16, q8_0, q4_0, rq3_0 (dflash_jax/kv_quant.py)
+KV_TYPES = tuple(_KV)  # f32, bf16, f16, q8_0, q4_0, rq3_0, rq4_0 (dflash_jax/kv_quant.py)
 NUMERICS = ("exact", "fast")
 DRAFT_RULES = ("coupled", "tempered", "plain")  # EngineConfig.draft_rule
 

@@ -383,9 +383,8 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_boolean("stats", False, "Print prefill time, decode tok/s, acceptance length and steps to stderr.",
                          flag_values=fv)
     flags.DEFINE_enum("kv_type", None, list(KV_TYPES), "The target's KV cache: f32, bf16 or f16, or quantized as "
-                      "it is written: q8_0 (8.5 bits a value), q4_0 (4.5) or rq3_0 (3.5, rotated); docs/kv_cache.md. "
-                      "Quantized types run on a CPU so far (the GPU attention kernel reads float caches). Default: "
-                      "bf16 on a GPU, f32 on a CPU.", flag_values=fv)
+                      "it is written: q8_0 (8.5 bits a value), q4_0 (4.5), rq3_0 (3.5, rotated) or rq4_0 (4.25, "
+                      "rotated); docs/kv_cache.md. Default: bf16 on a GPU, f32 on a CPU.", flag_values=fv)
     flags.DEFINE_enum("kv_type_k", None, list(KV_TYPES), "The keys' KV cache type (default: --kv_type), e.g. q8_0 "
                       "keys beside bf16 values.", flag_values=fv)
     flags.DEFINE_enum("kv_type_v", None, list(KV_TYPES), "The values' KV cache type (default: --kv_type).",

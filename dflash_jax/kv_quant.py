@@ -1,5 +1,5 @@
-"""KV cache types: float32, bfloat16 and float16 arrays, llama.cpp's Q8_0 and Q4_0 blocks, and RQ3_0, 3-bit blocks of
-a Walsh-Hadamard-rotated row (docs/kv_cache.md has the layouts, bits per value and sizes).
+"""KV cache types: float32, bfloat16 and float16 arrays, llama.cpp's Q8_0 and Q4_0 blocks, and RQ3_0 and RQ4_0, 3- and
+4-bit blocks of a Walsh-Hadamard-rotated row (docs/kv_cache.md has the layouts, bits per value and sizes).
 
 A float type's cache is an array of its dtype. A block type's cache is a `KVBlocks`: one array per field of the
 type's block struct (storage order as in ggml-common.h), each [..., blocks per row, count]: the layout of `QTensor`
@@ -38,6 +38,13 @@ BLOCK = 32  # values per block of every block type
 # and the inverse rotation's sums round alike whether or not XLA fuses them with the products.
 LEVELS = np.array([-256, -157, -87, -28, 28, 87, 157, 256], np.float32) / 256
 _MIDPOINTS = (LEVELS[1:] + LEVELS[:-1]) / 2  # a value at a midpoint takes the upper level
+
+# RQ4_0's codebook: level c of a block is LEVELS4[c] * d, d = the block's largest |value| rounded up to an E5M3 scale
+# (`_e5m3_up`). The levels are Lloyd-Max's for the entries of Gaussian blocks of 32 divided by that scale, rounded to
+# 1/256 (8 significant bits; d has 4, so every product is exact in float32).
+LEVELS4 = np.array([-237, -189, -151, -118, -89, -62, -37, -12, 12, 37, 62, 89, 118, 151, 189, 237], np.float32) / 256
+_MIDPOINTS4 = (LEVELS4[1:] + LEVELS4[:-1]) / 2
+E5M3_BIAS = 16  # an RQ4_0 scale byte e << 3 | j > 0 stands for (1 + j / 8) * 2^(e - 16), up to 1.875 * 2^15; 0 for 0
 
 
 def _q4_0_steps() -> np.ndarray:
@@ -88,6 +95,7 @@ TYPES: dict[str, KVType] = {t.name: t for t in (
     KVType("q4_0", fields=FORMATS["Q4_0"].fields),
     KVType("rq3_0", fields=(("d", np.dtype(np.float16), 1), ("qs", np.dtype(np.uint8), 8),
                             ("qh", np.dtype(np.uint8), 4)), rotated=True),
+    KVType("rq4_0", fields=(("d", np.dtype(np.uint8), 1), ("qs", np.dtype(np.uint8), 16)), rotated=True),
 )}
 
 
@@ -115,7 +123,7 @@ class KVBlocks:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The rotation (RQ3_0)
+# The rotation (RQ3_0, RQ4_0)
 
 def _signs(n: int) -> jax.Array:
     """[n] float32 +-1: entry i is -1 where the popcount of ((i + 1) * 2654435761 mod 2^32) is odd. Computed, not a
@@ -198,7 +206,34 @@ def _rq3_0(b: jax.Array) -> dict[str, jax.Array]:
     return {"d": d, "qs": qs.astype(jnp.uint8), "qh": qh.astype(jnp.uint8)}
 
 
-_QUANTIZE = {"q8_0": _q8_0, "q4_0": _q4_0, "rq3_0": _rq3_0}
+def _e5m3_up(m: jax.Array) -> jax.Array:
+    """The scale byte (`E5M3_BIAS`) of the least E5M3 value >= m >= 0, from m's float32 bits: its top three mantissa
+    bits, plus one when any lower bit is set; clamped to the range (a larger m keeps the largest scale and its values
+    clip to the top level); byte 0, the scale 0, for m = 0."""
+    bits = jax.lax.bitcast_convert_type(m.astype(jnp.float32), jnp.int32)
+    e = (bits >> 23) - 127 + E5M3_BIAS
+    j = ((bits >> 20) & 7) + ((bits & 0xFFFFF) != 0)
+    e, j = jnp.where(j == 8, e + 1, e), jnp.where(j == 8, 0, j)
+    e, j = jnp.where(e < 0, 0, e), jnp.where(e < 0, 0, j)
+    e, j = jnp.where(e > 31, 31, e), jnp.where(e > 31, 7, j)
+    return jnp.where(m > 0, jnp.maximum(e << 3 | j, 1), 0).astype(jnp.uint8)
+
+
+def _e5m3(byte: jax.Array) -> jax.Array:
+    """The float32 value of E5M3 scale bytes, built from its bits (exact on every device)."""
+    b = byte.astype(jnp.int32)
+    d = jax.lax.bitcast_convert_type(((b >> 3) + 127 - E5M3_BIAS) << 23 | (b & 7) << 20, jnp.float32)
+    return jnp.where(b == 0, 0.0, d)
+
+
+def _rq4_0(b: jax.Array) -> dict[str, jax.Array]:
+    code = _e5m3_up(jnp.max(jnp.abs(b), axis=-1, keepdims=True))
+    t = b * _inverse(_e5m3(code))  # a product, not a sum: no FMA can change which side of a midpoint it falls
+    c = jnp.sum(t[..., None] >= _MIDPOINTS4, axis=-1, dtype=jnp.uint8)  # the nearest level, ties upward
+    return {"d": code, "qs": _nibbles_packed(c)}
+
+
+_QUANTIZE = {"q8_0": _q8_0, "q4_0": _q4_0, "rq3_0": _rq3_0, "rq4_0": _rq4_0}
 
 
 def quantize(rows: jax.Array, kind: str) -> KVBlocks:
@@ -226,6 +261,17 @@ def _level(c: jax.Array) -> jax.Array:
     return jnp.where(up, mag, -mag)
 
 
+def _level4(c: jax.Array) -> jax.Array:
+    """LEVELS4[c] by selects of scalars (no table: see _signs)."""
+    c = c.astype(jnp.int32)
+    up = c >= 8
+    m = jnp.where(up, c - 8, 7 - c)  # 0..7 from the middle out
+    mag = jnp.full(c.shape, float(LEVELS4[15]), jnp.float32)
+    for k in range(6, -1, -1):
+        mag = jnp.where(m == k, float(LEVELS4[8 + k]), mag)
+    return jnp.where(up, mag, -mag)
+
+
 def _codes(x: jax.Array, bits: int) -> jax.Array:
     """[..., c] bytes -> [..., 8 / bits * c] codes of `bits` bits in element order: element s * c + b is bits
     bits * s .. bits * (s + 1) - 1 of byte b. Shifts by a vector of offsets, a mask and a reshape: ops that the Pallas
@@ -239,6 +285,8 @@ def _codes(x: jax.Array, bits: int) -> jax.Array:
 def block_values(kind: str, data: dict[str, jax.Array]) -> jax.Array:
     """The float32 values [..., nb, 32] of a block type's fields, each [..., nb, count], in the rotated domain for a
     rotated type (every value d * code, exact in float32). Also the tree-attention kernel's decode of a tile."""
+    if kind == "rq4_0":
+        return _e5m3(data["d"]) * _level4(_codes(data["qs"], 4))
     d = data["d"].astype(jnp.float32)
     if kind == "q8_0":
         return d * data["qs"].astype(jnp.float32)
@@ -301,7 +349,7 @@ def readable(cache: jax.Array | KVBlocks, layer: int | jax.Array | None = None) 
 
 def block_bytes(blocks: KVBlocks) -> np.ndarray:
     """The blocks as bytes [..., n / 32, block_bytes]: each block's fields in storage order, little-endian, as
-    llama.cpp lays out a block_q8_0 / block_q4_0 (and as docs/kv_cache.md lays out RQ3_0's)."""
+    llama.cpp lays out a block_q8_0 / block_q4_0 (and as docs/kv_cache.md lays out RQ3_0's and RQ4_0's)."""
     t = TYPES[blocks.kind]
     parts = [np.ascontiguousarray(np.asarray(blocks.data[name]).astype(dtype)).view(np.uint8)
              for name, dtype, _ in t.fields]

@@ -20,7 +20,7 @@ Keys and values may each be in a block type of dflash_jax/kv_quant.py (`KVBlocks
 kernel loads each field's tile [block_k, head_dim / 32, count] and decodes it in registers with
 `kv_quant.block_values`, written with shifts, masks, selects and reshapes only (what the Triton lowering has; no
 concatenate or gather), into rows in element order, rounded to bf16 for the products: one code path on the GPU and
-in interpret mode. A rotated type (rq3_0) stays rotated: the wrapper rotates q instead (`rotate_query`: q . x = q' . y
+in interpret mode. A rotated type (rq3_0, rq4_0) stays rotated: the wrapper rotates q instead (`rotate_query`: q . x = q' . y
 for the rows x that rotated values y dequantize to) and, for values, rotates the merged output back (`unrotate`: the
 output is linear in the values). The block's own rows come in the cache's type too and the block program decodes
 them as the prefix programs decode the cache, so a token reads the same keys whether its ancestors are committed

@@ -99,7 +99,7 @@ def table(report: dict) -> str:
              f"# {report['command']}",
              f"{'group':>14} {'kv_type':>10} {'bits':>5} {'positions':>9} {'mean KLD':>10} {'top-1 agree':>11}"]
     for r in report["rows"]:
-        lines.append(f"{r['group']:>14} {r['kv_type']:>10} {r['bits']:5.1f} {r['positions']:9d} "
+        lines.append(f"{r['group']:>14} {r['kv_type']:>10} {r['bits']:5g} {r['positions']:9d} "
                      f"{r['mean_kld']:10.2e} {100 * r['top1_agreement']:10.2f}%")
     return "\n".join(lines) + "\n"
 

@@ -82,7 +82,7 @@ def tree_equals_ar(params, kv_type: str, prompts: int, n_gen: int, kcfg: KernelC
     return pairs, lengths
 
 
-@pytest.mark.parametrize("kv_type, v_type", [("q4_0", None), ("rq3_0", None), ("q4_0", "bf16")])
+@pytest.mark.parametrize("kv_type, v_type", [("q4_0", None), ("rq3_0", None), ("rq4_0", None), ("q4_0", "bf16")])
 def test_speculative_decoding_stays_exact_on_low_bit_caches(params, kv_type, v_type):
     """A DDTree emits what AR emits with the same cache types (q4_0 keys beside bf16 values too): the tree's keys are
     read as the cache will hold them. The type does change the output (from f32's), so the quantization is in the

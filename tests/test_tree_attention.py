@@ -132,8 +132,9 @@ def test_three_stages_while_a_stage_fits_64_kib():
     pairs = (("bf16", 256), ("f32", 128), ("bf16", 128), ("f32", 256))
     assert [stages(64, kind, d) for kind, d in pairs] == [3, 3, 3, 2]
     assert stages(32, "f32", 256) == 3
-    assert [stages(64, kind, 256) for kind in ("q8_0", "q4_0", "rq3_0")] == [3, 3, 3]
+    assert [stages(64, kind, 256) for kind in ("q8_0", "q4_0", "rq3_0", "rq4_0")] == [3, 3, 3, 3]
     assert row_bytes(kvq.empty("q8_0", (1, 256))) == 272 and row_bytes(kvq.empty("rq3_0", (1, 256))) == 112
+    assert row_bytes(kvq.empty("rq4_0", (1, 256))) == 136
 
 
 @pytest.mark.gpu

@@ -65,7 +65,9 @@ CASES = [("q8_0", "q4_0", 130, 4, 2, 32, 256, 100, 2, "causal"),
          ("rq3_0", "rq3_0", 5, 4, 1, 64, 100, 77, 4, "tree"),
          ("q8_0", "q4_0", 8, 4, 2, 32, 70, 70, 1, "causal"),
          ("rq3_0", "q8_0", 6, 4, 2, 64, 70, 61, 2, "tree"),
-         ("f16", "rq3_0", 5, 4, 2, 32, 64, 50, 2, "tree")]
+         ("f16", "rq3_0", 5, 4, 2, 32, 64, 50, 2, "tree"),
+         ("rq4_0", "rq4_0", 6, 4, 2, 64, 90, 71, 2, "tree"),
+         ("q8_0", "rq4_0", 5, 4, 1, 32, 64, 40, 3, "causal")]
 
 
 @pytest.mark.parametrize("k_kind,v_kind,n,hq,hkv,d,slots,length,splits,blk", CASES)
@@ -88,7 +90,7 @@ def test_kernel_matches_the_reference_over_the_dequantized_cache(k_kind, v_kind,
 
 
 @pytest.mark.parametrize("k_kind,v_kind", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("rq3_0", "rq3_0"),
-                                           ("q8_0", "rq3_0")])
+                                           ("q8_0", "rq3_0"), ("rq4_0", "rq4_0")])
 def test_a_token_sees_the_same_in_a_chain_as_alone(k_kind, v_kind):
     """The last token of a 9-token chain verified on top of 150 committed slots, and the same token alone after the
     other 8 were committed (AR): the same blocks, read by the block program in one case and by the prefix programs
@@ -134,7 +136,7 @@ def cache_shape(kind, lead, hkv=4, d=256):
 
 
 @pytest.mark.parametrize("k_kind,v_kind", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("rq3_0", "rq3_0"),
-                                           ("q8_0", "q4_0")])
+                                           ("q8_0", "q4_0"), ("rq4_0", "rq4_0")])
 @pytest.mark.parametrize("n", [23, 1, 512])
 def test_lowers_to_triton_at_the_27b_shapes(k_kind, v_kind, n):
     """The 27B's verify (23 tokens, 24 query and 4 KV heads of 256), one AR token and a 512-token prefill chunk over
@@ -153,7 +155,8 @@ def test_lowers_to_triton_at_the_27b_shapes(k_kind, v_kind, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k_kind,v_kind,n,context", [
     ("q8_0", "q8_0", 23, 4096), ("q4_0", "q4_0", 23, 4096), ("rq3_0", "rq3_0", 23, 4096), ("q8_0", "q4_0", 23, 4096),
-    ("q8_0", "q8_0", 1, 4096), ("q4_0", "q4_0", 23, 32768), ("rq3_0", "rq3_0", 23, 32768)])
+    ("q8_0", "q8_0", 1, 4096), ("q4_0", "q4_0", 23, 32768), ("rq3_0", "rq3_0", 23, 32768),
+    ("rq4_0", "rq4_0", 23, 4096), ("rq4_0", "rq4_0", 23, 32768)])
 def test_real_shapes_on_gpu(k_kind, v_kind, n, context):
     """The 27B's heads over 16 stacked layers (layer 5 read), a tree of n tokens, against the reference over the
     dequantized layer."""
