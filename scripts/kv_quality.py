@@ -9,8 +9,8 @@ set's prompts, token-id files, and long sequences made by concatenating the prom
 With no --target it measures the target shipped in the package on HumanEval's prompts (raw text: it is a code
 model). Each sequence is scored as `python -m dflash_jax.score` scores it (the prompt prefilled in chunks, every
 position's logits kept), so every position reads the cache as decoding would: the earlier chunks' rows quantized, its
-own chunk's rows rounded as the cache will hold them. The reference kernels by default (the GPU attention kernel reads
-float caches only). The results file (JSON, with a .txt table beside it) records the device, jax version, date and
+own chunk's rows rounded as the cache will hold them. The reference kernels by default (`--impl pallas` for the
+device's). The results file (JSON, with a .txt table beside it) records the device, jax version, date and
 command.
 """
 
