@@ -1,7 +1,7 @@
 """The target tensor-parallel over a 1-D mesh of local devices: one SPMD program (docs/architecture.md, "Several
 devices").
 
-Each shard holds a slice of every layer (`shard_tensors`): attention by KV heads (the query heads of their groups),
+Each shard holds a slice of every layer (`shard_plan`, `take`): attention by KV heads (the query heads of their groups),
 the Gated DeltaNet by key heads with the value heads that read them, the MLP's gate/up by rows and down by
 columns, the head by rows; the norms and the embedding are replicated. Inside `jax.shard_map` each shard runs the
 model code on a local config (`local_config`: heads and intermediate size divided), the partial outputs of o_proj,
