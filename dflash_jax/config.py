@@ -192,6 +192,9 @@ MODES = ("ar", "chain", "ddtree")
 # (chain AL 1.04 -> 1.14 at 3K tokens with 2048, 1.92 -> 5.29 at 1K with 512: docs/kv_cache.md)
 DRAFT_CTX = 2048
 MAX_TREE_NODES = 64  # verify width (root included) the kernels are built for
+# The gated delta rule's inner block (reference.gdn_chunked, pallas_kernels/gdn.py): a prefill chunk is a multiple of
+# it; the default chunk is one block (a larger one is one compiled shape per size, for throughput: issue 42)
+PREFILL_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +216,11 @@ class EngineConfig:
     # the drafter's full-attention layers see the last draft_ctx committed tokens (None: all of them), kept in a ring
     # (models/draft.py); it can change how many tokens a step accepts, never which
     draft_ctx: int | None = DRAFT_CTX
+    # prompt tokens per compiled prefill call (one compiled shape per size, the last chunk padded)
+    prefill_chunk: int = PREFILL_BLOCK
 
     def __post_init__(self):
+        check_prefill_chunk(self.prefill_chunk)
         _check(self.mode in MODES, f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         _check(1 <= self.budget <= MAX_TREE_NODES - 1,
                f"budget {self.budget} must be between 1 and {MAX_TREE_NODES - 1} (the tree verifies budget + 1 "
@@ -250,6 +256,13 @@ class ParallelConfig:
 
     def __post_init__(self):
         _check(isinstance(self.devices, int) and self.devices >= 1, f"devices {self.devices!r} must be at least 1")
+
+
+def check_prefill_chunk(chunk: int) -> int:
+    """The prefill chunk, after checking that it is a positive multiple of the delta rule's block (ConfigError)."""
+    _check(isinstance(chunk, int) and chunk >= PREFILL_BLOCK and chunk % PREFILL_BLOCK == 0,
+           f"prefill_chunk {chunk!r} must be a positive multiple of {PREFILL_BLOCK} (the gated delta rule's block)")
+    return chunk
 
 
 def _check(ok: bool, message: str) -> None:

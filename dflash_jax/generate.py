@@ -25,8 +25,8 @@ import time
 from typing import Sequence
 
 from dflash_jax import assets
-from dflash_jax.config import (DRAFT_CTX, DRAFT_RULES, KV_TYPES, NUMERICS, SINGLE_DEVICE, EngineConfig, KernelConfig,
-                               ParallelConfig)
+from dflash_jax.config import (DRAFT_CTX, DRAFT_RULES, KV_TYPES, NUMERICS, PREFILL_BLOCK, SINGLE_DEVICE, EngineConfig,
+                               KernelConfig, ParallelConfig)
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, least_free, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
@@ -196,13 +196,13 @@ def _backend() -> str:
 def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_rows: int | None = None
                   ) -> tuple[EngineConfig, KernelConfig]:
     """The engine and kernel configuration of the decoding flags (`f.mode`, `budget`, `topk`, `chain_seed`,
-    `max_ctx`, `kv_type`, `kv_type_k`, `kv_type_v`, `draft_ctx`, `draft_rule`, `mgpu`, `numerics`), None flags
-    taking the device class's defaults (dflash_jax/defaults.py): the one resolution every command and benchmark goes
-    through."""
+    `max_ctx`, `kv_type`, `kv_type_k`, `kv_type_v`, `draft_ctx`, `draft_rule`, `prefill_chunk`, `mgpu`, `numerics`),
+    None flags taking the device class's defaults (dflash_jax/defaults.py): the one resolution every command and
+    benchmark goes through."""
     ecfg = resolve_engine(f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed,
                           max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_type=f.kv_type,
                           kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v, draft_ctx=f.draft_ctx,
-                          draft_rule=f.draft_rule)
+                          draft_rule=f.draft_rule, prefill_chunk=f.prefill_chunk)
     kcfg = resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics)
     return ecfg, kcfg
 
@@ -314,8 +314,8 @@ def run(argv: Sequence[str]) -> int:
                    first_step_s=gen.first_step_s, decode_tokens_per_s=gen.decode_tokens_per_s,
                    steady_tokens_per_s=gen.steady_tokens_per_s, max_ctx=ecfg.max_ctx, kv_type=ecfg.kv_type,
                    kv_type_k=ecfg.kv_types[0], kv_type_v=ecfg.kv_types[1], draft_ctx=ecfg.draft_ctx,
-                   backend=_backend(), device_class=device_class(), devices=pcfg.devices,
-                   kernels=dataclasses.asdict(kcfg),
+                   prefill_chunk=ecfg.prefill_chunk, backend=_backend(), device_class=device_class(),
+                   devices=pcfg.devices, kernels=dataclasses.asdict(kcfg),
                    sampling=dataclasses.asdict(sampling))
         if tracer is not None:
             out["profile_steps"] = tracer.traced_steps
@@ -399,6 +399,9 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
                          "tokens, kept in a ring (its sliding-window layers keep a ring of their window); 0: the whole "
                          f"context. Default: {DRAFT_CTX}, as the C++ engine. It changes the acceptance, never the "
                          "output (docs/kv_cache.md).", lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("prefill_chunk", None, f"Prompt tokens per compiled prefill call, a multiple of "
+                         f"{PREFILL_BLOCK} (one compilation per size; the last chunk is padded). Default: "
+                         f"{PREFILL_BLOCK}.", lower_bound=PREFILL_BLOCK, flag_values=fv)
     flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K and Q6_K products on the Mosaic GPU "
                          "kernels, their layout replacing the Triton kernels'. Default: on on a Hopper GPU, else off "
                          "(--nomgpu).", flag_values=fv)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import kv_quant as kvq
-from dflash_jax.config import KernelConfig
+from dflash_jax.config import PREFILL_BLOCK, KernelConfig
 from dflash_jax.quant import QTensor, dequantize
 from dflash_jax.quant import linear as reference_linear
 from pallas_kernels import gdn
@@ -98,7 +98,10 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
         if isinstance(k_cache, kvq.KVBlocks) or isinstance(v_cache, kvq.KVBlocks):
             k_cache, v_cache, layer = kvq.readable(k_cache, layer), kvq.readable(v_cache, layer), None
         k_blk, v_blk = kvq.readable(k_blk), kvq.readable(v_blk)
-        return ref.tree_attention(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer)
+        # a prefill chunk past one block scores the cache blockwise ([heads, N, slots] at once would be 3 GiB for
+        # 1024 tokens at 32K); a verified tree and a 64-token chunk keep the one-pass softmax the parity tests hold
+        attend = ref.tree_attention_blockwise if q.shape[0] > PREFILL_BLOCK else ref.tree_attention
+        return attend(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer)
     return tree_attention_kernel(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer=layer,
                                  interpret=kcfg.interpret, exact=kcfg.exact)
 
@@ -120,10 +123,13 @@ def gdn_tree(q, k, v, g, beta, s0, anc, kcfg: KernelConfig, layer: int | None = 
 
 
 def gdn_chunked(q, k, v, g, beta, s0, kcfg: KernelConfig, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """The causal gated delta rule of a prefill in chunks of 64: (o, final state), as reference.gdn_chunked; with
-    `layer`, s0 is the stacked state and the kernel reads that layer in place."""
+    """The causal gated delta rule of a prefill in blocks of PREFILL_BLOCK: (o, final state), as
+    reference.gdn_chunked; with `layer`, s0 is the stacked state and the kernel reads that layer in place. The
+    reference runs a longer prefill chunk blockwise (reference.gdn_chunked_blockwise: no dependent substitution step
+    per token); one block keeps the substitution, whose logits the parity tests hold."""
     if kcfg.impl == "reference":
-        return ref.gdn_chunked(q, k, v, g, beta, s0, layer=layer)
+        solve = ref.gdn_chunked_blockwise if q.shape[0] > PREFILL_BLOCK else ref.gdn_chunked
+        return solve(q, k, v, g, beta, s0, PREFILL_BLOCK, layer=layer)
     return gdn.gdn_chunked(q, k, v, g, beta, s0, layer=layer, interpret=kcfg.interpret, exact=kcfg.exact)
 
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import assets
-from dflash_jax.config import KV_TYPES, SINGLE_DEVICE, KernelConfig, ParallelConfig, TargetConfig
+from dflash_jax.config import (KV_TYPES, SINGLE_DEVICE, KernelConfig, ParallelConfig, TargetConfig,
+                               check_prefill_chunk)
 from dflash_jax.defaults import host_memory, least_free, resolve_engine, resolve_kernels
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
 from dflash_jax.errors import InputError, brief, run_main
@@ -130,8 +131,9 @@ def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_types: tuple[str, str],
     context = cfg.max_position_embeddings
     if n > context:
         raise InputError(f"{n} tokens exceed the model's context of {context} tokens")
+    check_prefill_chunk(chunk)
     if chunk > context:
-        raise InputError(f"--chunk {chunk} exceeds the model's context of {context} tokens")
+        raise InputError(f"--prefill_chunk {chunk} exceeds the model's context of {context} tokens")
     logits, host = n * cfg.vocab_size * 4, host_memory()
     if host is not None and logits > host:
         raise InputError(f"the logits of {n} tokens need {logits / 2**30:.2f} GiB, but the host has "
@@ -171,10 +173,11 @@ def run(argv: list[str]) -> int:
     if ids is None:
         ids = np.asarray(target_tokenizer(target).encode(text))
     check_tokens(target.config, ids)
-    check_fits(target.config, len(ids), f.chunk, kv_types, pcfg.devices)
+    check_fits(target.config, len(ids), f.prefill_chunk, kv_types, pcfg.devices)
     model = load_split(target, kcfg, pcfg)
     t1 = time.perf_counter()
-    result = score(model, ids, chunk=f.chunk, kv_type=kv_types[0], v_type=kv_types[1], kcfg=kcfg, parallel=pcfg)
+    result = score(model, ids, chunk=f.prefill_chunk, kv_type=kv_types[0], v_type=kv_types[1], kcfg=kcfg,
+                   parallel=pcfg)
     t2 = time.perf_counter()
     if out:
         np.save(out, result.logits)
@@ -201,7 +204,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("text", None, "Text to score, tokenized as is (special tokens parsed, no chat template).")
     flags.DEFINE_string("out", None, "Write the logits [n, vocab] float32 to this .npy file (.npy is added to a name "
                         "without it).")
-    flags.DEFINE_integer("chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call).", lower_bound=1)
+    flags.DEFINE_integer("prefill_chunk", DEFAULT_CHUNK, "Prefill chunk size (tokens per compiled call), a multiple "
+                         f"of {DEFAULT_CHUNK}.", lower_bound=1)
     flags.DEFINE_enum("kv_type", None, list(KV_TYPES), "KV cache type, as generate's --kv_type (default: bf16 on a "
                       "GPU, f32 on a CPU).")
     flags.DEFINE_enum("kv_type_k", None, list(KV_TYPES), "The keys' KV cache type (default: --kv_type).")

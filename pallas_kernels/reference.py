@@ -112,6 +112,77 @@ def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     return o.reshape(-1, *o.shape[2:])[:n], state
 
 
+SOLVE_BLOCK = 16  # rows of the diagonal blocks `block_lower_inverse` solves by substitution
+
+
+def _diagonal_blocks(a: jax.Array, size: int) -> jax.Array:
+    """The diagonal blocks of a [..., N, N] as [..., N / size, size, size]."""
+    return jnp.stack([a[..., i:i + size, i:i + size] for i in range(0, a.shape[-1], size)], axis=-3)
+
+
+def block_lower_inverse(a: jax.Array, block: int = SOLVE_BLOCK) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [..., N, N], N = block x 2^j: the diagonal blocks of `block` rows
+    by forward substitution (`unit_lower_inverse`, all of them at once), then neighbours joined by products,
+    [[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]], log2(N / block) times: `block` dependent substitution
+    steps instead of N (the UT transform of the FLA kernels). Every joined block is a product of exact inverses, so
+    nothing cancels as a power series does (`unit_lower_inverse`)."""
+    n = a.shape[-1]
+    if n % block or (n // block) & (n // block - 1):
+        raise ValueError(f"{n} rows are not {block} x a power of two")
+    a = _f32(a)
+    t = unit_lower_inverse(_diagonal_blocks(a, block))  # [..., N / block, block, block]
+    size = block
+    while size < n:
+        t = t.reshape(*t.shape[:-3], -1, 2, size, size)
+        p_inv, q_inv = t[..., 0, :, :], t[..., 1, :, :]
+        c = _diagonal_blocks(a, 2 * size)[..., size:, :size]
+        low = -_einsum("...ij,...jk->...ik", q_inv, _einsum("...ij,...jk->...ik", c, p_inv))
+        t = jnp.concatenate([jnp.concatenate([p_inv, jnp.zeros_like(low)], axis=-1),
+                             jnp.concatenate([low, q_inv], axis=-1)], axis=-2)
+        size *= 2
+    return t[..., 0, :, :]
+
+
+def gdn_chunked_blockwise(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
+                          chunk: int = 64, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """`gdn_chunked` (same arguments and result) without a dependent step per token: the WY systems of every chunk
+    are solved at once, blockwise (`block_lower_inverse`), and U, W and the scores are products over all chunks; only
+    the state is carried from chunk to chunk, by products (V' = U - W S, O = exp(gamma) Q S + scores V',
+    S' = exp(gamma_last) S + K^T diag(exp(gamma_last - gamma)) V'). A prefill of C chunks then waits on 16
+    substitution steps and C state updates rather than 64 C substitution steps."""
+    if layer is not None:
+        s0 = s0[layer]
+    n = q.shape[0]
+    pad = (-n) % chunk
+
+    def chunks(x):  # [T, H, ...] -> [C, H, chunk, ...]
+        x = jnp.pad(_f32(x), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return jnp.moveaxis(x.reshape(-1, chunk, *x.shape[1:]), 2, 1)
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    gamma = jnp.cumsum(g, axis=-1)  # [C, H, chunk]: log-decay from the chunk's start, each token included
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)  # [C, H, i, j]
+    a = beta[..., :, None] * _einsum("chid,chjd->chij", k, k) * jnp.where(jnp.eye(chunk, dtype=bool), 0.0, decay)
+    t = block_lower_inverse(a, min(SOLVE_BLOCK, chunk))
+    eg = jnp.exp(gamma)
+    u = _einsum("chij,chjv->chiv", t, beta[..., None] * v)
+    w = _einsum("chij,chjd->chid", t, (beta * eg)[..., None] * k)
+    scores = _einsum("chid,chjd->chij", q, k) * decay
+    g_last = gamma[..., -1]  # [C, H]
+    k_out = jnp.exp(g_last[..., None] - gamma)[..., None] * k  # each token's weight in the chunk's final state
+
+    def step(state, xs):  # state [H, dk, dv]
+        u_c, w_c, s_c, q_c, e_c, k_c, g_c = xs
+        v_new = u_c - _einsum("hld,hdv->hlv", w_c, state)
+        o = _einsum("hld,hdv->hlv", e_c[..., None] * q_c, state) + _einsum("hij,hjv->hiv", s_c, v_new)
+        return jnp.exp(g_c)[:, None, None] * state + _einsum("hld,hlv->hdv", k_c, v_new), o
+
+    state, o = jax.lax.scan(step, _f32(s0), (u, w, scores, q, eg, k_out, g_last))
+    return jnp.moveaxis(o, 1, 2).reshape(-1, *o.shape[1:2], o.shape[-1])[:n], state
+
+
 def gdn_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                   s0: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The token-by-token delta rule (the oracle): S <- exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q."""
@@ -156,6 +227,47 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length:
     keys = jnp.concatenate([_f32(k_cache), _f32(k_blk)])
     values = jnp.concatenate([_f32(v_cache), _f32(v_blk)])
     return attention(q, keys, values, jnp.concatenate([prefix, blk_mask], axis=1))
+
+
+KV_BLOCK = 512  # cache slots `tree_attention_blockwise` scores at a time
+
+
+def tree_attention_blockwise(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length: jax.Array,
+                             k_blk: jax.Array, v_blk: jax.Array, blk_mask: jax.Array, prefix_lo: jax.Array,
+                             layer: int | None = None, block: int = KV_BLOCK) -> jax.Array:
+    """`tree_attention` (same arguments and result) with the prefix read `block` slots at a time, up to the committed
+    length, under an online softmax, then the block's own keys: scores of [Hq, N, block] at a time rather than
+    [Hq, N, S + N] (a long prefill chunk over a long context)."""
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
+    n, hq, d = q.shape
+    slots, hkv = k_cache.shape[:2]
+    block = min(block, slots)
+    qg = _f32(q).reshape(n, hkv, hq // hkv, d) / jnp.sqrt(jnp.float32(d))
+
+    def update(carry, keys, values, visible):  # keys and values [B, Hkv, d], visible [N, B]
+        m, l, acc = carry  # [Hkv, r, N], [Hkv, r, N], [Hkv, r, N, d]
+        s = jnp.where(visible[None, None], _einsum("ngrd,sgd->grns", qg, _f32(keys)), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        top = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet stay at 0
+        p = jnp.exp(s - top[..., None])
+        alpha = jnp.exp(m - top)
+        pv = _einsum("grns,sgd->grnd", p, _f32(values))
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+    def prefix_block(b, carry):
+        want = b * block
+        start = jnp.minimum(want, slots - block)  # the last block ends at the cache's end; slots before want masked
+        slot = start + jnp.arange(block)
+        visible = (slot[None, :] >= want) & (slot[None, :] < length) & (slot[None, :] >= prefix_lo[:, None])
+        keys, values = (jax.lax.dynamic_slice_in_dim(x, start, block) for x in (k_cache, v_cache))
+        return update(carry, keys, values, visible)
+
+    shape = (hkv, hq // hkv, n)
+    init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, d)))
+    carry = jax.lax.fori_loop(0, (length + block - 1) // block, prefix_block, init)
+    _, l, acc = update(carry, k_blk, v_blk, blk_mask)
+    return jnp.moveaxis(acc / l[..., None], 2, 0).reshape(n, hq, d)
 
 
 def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array) -> jax.Array:

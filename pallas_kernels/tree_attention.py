@@ -151,7 +151,17 @@ def _kernel(splits: int, br: int, block_k: int, exact: bool, interpret: bool, k_
     def _block():
         # the block's own rows in the cache's type, decoded as the prefix's are: a token's output does not depend on
         # whether its ancestors are committed (AR) or verified with it
-        write(update(init, _tile(kb_ref, k_kind, (h,)), _tile(vb_ref, v_kind, (h,)), mask_ref[rows, :] != 0))
+        n_keys = mask_ref.shape[1]
+        if n_keys <= block_k:  # a tree, a draft block, a 64-token chunk: one tile
+            write(update(init, _tile(kb_ref, k_kind, (h,)), _tile(vb_ref, v_kind, (h,)), mask_ref[rows, :] != 0))
+            return
+
+        def body(b, carry):  # a long prefill chunk: its keys a tile at a time (512 of the 27B's keys and values
+            keys = pl.ds(b * block_k, block_k)  # are 512 KiB in bf16, past an SM's shared memory)
+            return update(carry, _tile(kb_ref, k_kind, (h, keys)), _tile(vb_ref, v_kind, (h, keys)),
+                          mask_ref[rows, keys] != 0)
+
+        write(jax.lax.fori_loop(0, n_keys // block_k, body, init))
 
 
 def _kind(x: Any) -> str | None:
@@ -228,7 +238,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
         layer = 0
     rows = n * group
     r_pad = pl.cdiv(rows, block_rows) * block_rows
-    n_pad = dot_tile(n)
+    n_pad = dot_tile(n) if n <= block_k else pl.cdiv(n, block_k) * block_k  # longer: read block_k keys a step
     q = q.astype(jnp.float32)
     if k_kind and kvq.TYPES[k_kind].rotated:  # the keys stay rotated: q . x = q' . y
         q = kvq.rotate_query(q)

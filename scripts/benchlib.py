@@ -37,6 +37,8 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
     ap.add_argument("--draft_ctx", type=int, default=None,
                     help="the drafter's full-attention layers see the last this many tokens (0: all; default: "
                          "generate's)")
+    ap.add_argument("--prefill_chunk", type=int, default=None,
+                    help="prompt tokens per compiled prefill call, a multiple of 64 (default: generate's)")
     ap.add_argument("--impl", choices=("auto",) + IMPLS, default="auto",
                     help="kernels: auto (the device's), reference, pallas (interpret mode on a CPU)")
     ap.add_argument("--mgpu", action=argparse.BooleanOptionalAction, default=None,

@@ -34,6 +34,15 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """After each test file, drop jax's in-memory compiled programs: a worker that kept every file's programs grew
+    to several GiB over the run, two of them beside the commands the tests start on a 24 GiB machine. A later file
+    that needs one again reads it back from the persistent cache."""
+    yield
+    jax.clear_caches()
+
+
 NO_GPU = "needs a CUDA GPU (run `pytest -m gpu` on the device)"
 
 

@@ -66,6 +66,12 @@ def test_keys_and_values_take_their_own_types_and_the_drafter_a_context_bound():
     assert EngineConfig(kv_type="q8_0", kv_type_v="f32").kv_types == ("q8_0", "f32")
 
 
+def test_the_prefill_chunk_is_64_tokens_unless_asked():
+    """One block of the delta rule on every device until a GPU measurement picks another (issue 42)."""
+    assert resolve_engine(device="cpu").prefill_chunk == resolve_engine(device="hopper").prefill_chunk == 64
+    assert resolve_engine(prefill_chunk=512).prefill_chunk == EngineConfig(prefill_chunk=512).prefill_chunk == 512
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: resolve_kernels(mgpu=True, device="gpu"), "needs a Hopper GPU"),
     (lambda: resolve_kernels(mgpu=True, device="cpu"), "needs a Hopper GPU"),
@@ -79,6 +85,8 @@ def test_keys_and_values_take_their_own_types_and_the_drafter_a_context_bound():
     (lambda: EngineConfig(draft_ctx=0), r"draft_ctx 0 must be at least 1 \(None: the whole context\)"),
     (lambda: EngineConfig(kv_type_v="fp8"), "kv_type_v 'fp8' is not one of f32"),
     (lambda: EngineConfig(kv_type=None), "kv_type None is not one of f32"),
+    (lambda: resolve_engine(prefill_chunk=96), "prefill_chunk 96 must be a positive multiple of 64"),
+    (lambda: EngineConfig(prefill_chunk=0), "prefill_chunk 0 must be a positive multiple of 64"),
     (lambda: resolve_kernels(numerics="approx"), "numerics must be one of exact, fast"),
     (lambda: KernelConfig(numerics="approx"), "numerics 'approx'"),
     (lambda: KernelConfig(impl="pallas", interpret=True, mgpu="only"), "needs impl 'pallas' on a Hopper GPU"),

@@ -56,7 +56,8 @@ def test_kernels_read_a_layer_of_the_stacked_state():
         for name, a, b in zip(("o", "v_new", "gamma"), got, want):
             assert rel(a, b) < TOL, name
     want = ref.gdn_chunked(*x, s0)
-    for got in (ref.gdn_chunked(*x, stacked, layer=1), gdn.gdn_chunked(*x, stacked, layer=1, interpret=INTERPRET)):
+    for got in (ref.gdn_chunked(*x, stacked, layer=1), ref.gdn_chunked_blockwise(*x, stacked, layer=1),
+                gdn.gdn_chunked(*x, stacked, layer=1, interpret=INTERPRET)):
         assert rel(got[0], want[0]) < TOL and rel(got[1], want[1]) < TOL
 
 
@@ -94,6 +95,43 @@ def test_aligned_keys_stay_exact(sign):
     o, s = gdn.gdn_chunked(q, k, v, g, beta, s0, interpret=INTERPRET)
     assert rel(o_ref, o_rec) < 1e-5 and rel(s_ref, s_rec) < 1e-5
     assert rel(o, o_rec) < TOL and rel(s, s_rec) < TOL
+
+
+@pytest.mark.parametrize("t", [64, 256, 500, 1024])
+def test_blockwise_chunked_rule_matches_substitution_and_recurrence(t):
+    """reference.gdn_chunked_blockwise, a long prefill chunk's rule (every chunk's WY system solved blockwise, only
+    the state carried), against the per-token substitution and the token recurrence; 500 leaves a padded tail."""
+    x = inputs(t, t, 2, 16, 32)
+    o, s = jax.jit(ref.gdn_chunked_blockwise)(*x)
+    for o_ref, s_ref in (ref.gdn_chunked(*x), ref.gdn_recurrent(*x)):
+        assert o.shape == o_ref.shape and rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_blockwise_rule_stays_exact_when_keys_align(sign):
+    """256 tokens of one key (or alternating +-k), beta 0.95: the joined blocks' products do not cancel."""
+    q, k, v, g, beta, s0 = inputs(8, 256, 2, 16, 32)
+    k = jnp.broadcast_to(k[:1], k.shape) * jnp.asarray([sign ** i for i in range(256)], jnp.float32)[:, None, None]
+    g, beta = jnp.full_like(g, -0.01), jnp.full_like(beta, 0.95)
+    o_rec, s_rec = ref.gdn_recurrent(q, k, v, g, beta, s0)
+    o, s = ref.gdn_chunked_blockwise(q, k, v, g, beta, s0)
+    assert rel(o, o_rec) < 1e-5 and rel(s, s_rec) < 1e-5
+
+
+@pytest.mark.parametrize("n", [16, 64, 128])
+def test_block_lower_inverse_equals_substitution(n):
+    """The UT transform's inverse: 16-row blocks by substitution, joined by products, as substitution over n rows
+    gives, for a delta-rule system (beta K K^T under the decay, strictly lower)."""
+    _, k, _, g, beta, _ = inputs(n, n, 2, 16, 32)
+    gamma = jnp.cumsum(g, axis=0).T  # [H, n]
+    below = jnp.tril(jnp.ones((n, n), bool), -1)
+    decay = jnp.where(below, jnp.exp(jnp.where(below, gamma[:, :, None] - gamma[:, None, :], 0.0)), 0.0)
+    a = beta.T[:, :, None] * jnp.einsum("ihd,jhd->hij", k, k) * decay
+    want = ref.unit_lower_inverse(a)
+    assert rel(ref.block_lower_inverse(a), want) < 1e-6
+    if n == 64:  # 48 rows are three blocks of 16: not joined pairwise
+        with pytest.raises(ValueError, match="power of two"):
+            ref.block_lower_inverse(a[:, :48, :48])
 
 
 def test_bad_block_raises():

@@ -22,18 +22,21 @@ def generate(*args, jit_cache="", stdin=None):
 
 def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
     """ar and ddtree (--json) on the fixture pair give the same ids: HF transformers' greedy continuation (chain
-    mode is checked in-process by test_engine, which keeps this subprocess test short)."""
+    mode is checked in-process by test_engine, which keeps this subprocess test short); ddtree prefills its prompt in
+    one chunk of 128 tokens."""
     want = np.load(TINY / "ref.npz")["hf_q_greedy"][:20].tolist()
     runs = {}
-    for mode in ("ar", "ddtree"):
+    for mode, chunk in (("ar", "64"), ("ddtree", "128")):
         proc = generate("--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--prompt_ids",
-                        str(TINY / "tokens.npy"), "--n_gen", "20", "--mode", mode, "--json", jit_cache=jit_cache)
+                        str(TINY / "tokens.npy"), "--n_gen", "20", "--mode", mode, "--prefill_chunk", chunk, "--json",
+                        jit_cache=jit_cache)
         assert proc.returncode == 0, proc.stderr
         runs[mode] = json.loads(proc.stdout)
     for mode, out in runs.items():
         assert out["tokens"] == want, mode
         assert sum(out["accept_lengths"]) == 19 and out["steps"] == len(out["accept_lengths"])  # first from prefill
     assert runs["ddtree"]["prompt_ids"] == np.load(TINY / "tokens.npy").tolist()
+    assert runs["ar"]["prefill_chunk"] == 64 and runs["ddtree"]["prefill_chunk"] == 128
 
 
 def test_a_quantized_kv_cache_from_the_command_line(tiny_gguf_path, jit_cache):

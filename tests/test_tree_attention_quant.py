@@ -58,8 +58,9 @@ def mask(kind, n, length, rng):
 
 # (K type, V type, N, Hq, Hkv, d, slots, length, splits, mask): each block type, K and V of different types (one
 # rotated and one not, either way round; a float K beside a rotated V), GQA, more splits than keys need, a cache
-# smaller than a key block (padded) and ones not a multiple of it
-CASES = [("q8_0", "q8_0", 7, 4, 2, 64, 130, 123, 3, "tree"),
+# smaller than a key block (padded) and ones not a multiple of it; a prefill chunk longer than a key tile
+CASES = [("q8_0", "q4_0", 130, 4, 2, 32, 256, 100, 2, "causal"),
+         ("q8_0", "q8_0", 7, 4, 2, 64, 130, 123, 3, "tree"),
          ("q4_0", "q4_0", 6, 6, 2, 32, 40, 33, 2, "sliding"),
          ("rq3_0", "rq3_0", 5, 4, 1, 64, 100, 77, 4, "tree"),
          ("q8_0", "q4_0", 8, 4, 2, 32, 70, 70, 1, "causal"),
@@ -134,10 +135,10 @@ def cache_shape(kind, lead, hkv=4, d=256):
 
 @pytest.mark.parametrize("k_kind,v_kind", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("rq3_0", "rq3_0"),
                                            ("q8_0", "q4_0")])
-@pytest.mark.parametrize("n", [23, 1])
+@pytest.mark.parametrize("n", [23, 1, 512])
 def test_lowers_to_triton_at_the_27b_shapes(k_kind, v_kind, n):
-    """The 27B's verify (23 tokens, 24 query and 4 KV heads of 256) and one AR token over 16 stacked layers of 4096
-    slots: the kernel lowers for CUDA without a GPU, so an op the Triton lowering lacks (a concatenate, a gather)
+    """The 27B's verify (23 tokens, 24 query and 4 KV heads of 256), one AR token and a 512-token prefill chunk over
+    16 stacked layers of 4096 slots: the kernel lowers for CUDA without a GPU, so an op the Triton lowering lacks (a concatenate, a gather)
     fails here, not first on the device."""
     run = jax.jit(lambda q, kc, vc, length, kb, vb, blk, lo, layer: tree_attention(q, kc, vc, length, kb, vb, blk, lo,
                                                                                   layer=layer))

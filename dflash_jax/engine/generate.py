@@ -13,8 +13,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig, TargetConfig
-from dflash_jax.engine.prefill import (DEFAULT_CHUNK, InputError, SplitTarget, check_tokens, prefill_chunks,
-                                      split_weights)
+from dflash_jax.engine.prefill import InputError, SplitTarget, check_tokens, prefill_chunks, split_weights
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
@@ -179,7 +178,8 @@ class Engine:
     def _prefill(self, tstate, dstate, ids: np.ndarray):
         """Commit checked ids to the target's and the drafter's states: (last logits, target state, drafter state)."""
         taps = self.drafter.taps if self.drafter else ()
-        chunks = prefill_chunks(self.tsplit, self.tcfg, tstate, ids, chunk=DEFAULT_CHUNK, taps=taps, kcfg=self.kcfg)
+        chunks = prefill_chunks(self.tsplit, self.tcfg, tstate, ids, chunk=self.ecfg.prefill_chunk, taps=taps,
+                                kcfg=self.kcfg)
         for n, logits, tapped, tstate in chunks:
             if self.drafter:
                 dstate = self.extend(self.dweights, dstate, tapped, jnp.int32(n))

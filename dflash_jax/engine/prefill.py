@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.config import KernelConfig, TargetConfig
+from dflash_jax.config import PREFILL_BLOCK, KernelConfig, TargetConfig, check_prefill_chunk
 from dflash_jax.errors import InputError
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import target
 from dflash_jax.models.target import Target, TargetState, init_state
 
-DEFAULT_CHUNK = 64  # the chunked gated delta rule's chunk: one compilation covers every prompt length
+DEFAULT_CHUNK = PREFILL_BLOCK  # the delta rule's block: one compilation covers every prompt length
 
 
 def split_weights(model: Any) -> tuple[nnx.GraphDef, dict]:
@@ -108,8 +108,10 @@ def prefill_chunks(model: Target | SplitTarget, cfg: TargetConfig, state: Target
     The model is a Target, or a SplitTarget (an engine splits its target once). Logits are the
     chunk's last real token's [V], or with all_logits every real token's [n, V]. Taps keep the chunk's padding rows
     (fixed shape for a jitted consumer such as the drafter); the first n are real. Everything is checked before the
-    first chunk runs, so a bad prompt leaves the state as it was.
+    first chunk runs, so a bad prompt leaves the state as it was. The chunk is a multiple of PREFILL_BLOCK (one
+    compiled shape per size; the gated delta rule runs blockwise past one block: kernels.gdn_chunked).
     """
+    check_prefill_chunk(chunk)
     ids = check_tokens(cfg, ids)
     check_room(state, len(ids))
     split = model if isinstance(model, SplitTarget) else SplitTarget.of(model)
