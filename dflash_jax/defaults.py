@@ -8,6 +8,7 @@ user runs. docs/architecture.md ("Kernel configuration") explains each choice an
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 
@@ -73,6 +74,12 @@ def free_memory(device: jax.Device | None = None) -> int | None:
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     return host_memory() if device.platform == "cpu" else None
+
+
+def least_free(devices: Sequence[jax.Device]) -> tuple[int | None, jax.Device]:
+    """The least free memory of some devices (`free_memory`; None where none reports it) and that device."""
+    known = [(free, d) for d in devices if (free := free_memory(d)) is not None]
+    return min(known, key=lambda fd: fd[0]) if known else (None, devices[0])
 
 
 def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | None = None,

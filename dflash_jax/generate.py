@@ -27,14 +27,13 @@ from typing import Sequence
 from dflash_jax import assets
 from dflash_jax.config import (DRAFT_CTX, DRAFT_RULES, KV_TYPES, NUMERICS, PREFILL_BLOCK, SINGLE_DEVICE, EngineConfig,
                                KernelConfig, ParallelConfig)
-from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, free_memory, resolve_engine, resolve_kernels
+from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, least_free, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
 from dflash_jax.engine.sampling import SamplingParams, seed_or_drawn
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
-from dflash_jax.load import (TargetFile, check_path, draft_config, load_draft, load_target, open_target,
-                             target_tokenizer)
-from dflash_jax.parallel import check_split, load_layout, parallel_config
+from dflash_jax.load import TargetFile, check_path, draft_config, load_draft, open_target, target_tokenizer
+from dflash_jax.parallel import check_split, load_split, parallel_config
 from dflash_jax.profiling import CompileLog, StepTrace
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, require_utf8
@@ -50,7 +49,7 @@ class UsageError(InputError):
 class Models:
     """A loaded target (its KernelConfig with it), its tokenizer and (for chain/ddtree) its drafter."""
 
-    target: object  # dflash_jax.models.target.Target
+    target: object  # dflash_jax.models.target.Target, or on several devices a dflash_jax.parallel.ShardedTarget
     draft: object | None  # dflash_jax.models.draft.Draft
     tokenizer: Tokenizer
     load_s: float
@@ -97,11 +96,11 @@ def open_models(target_path: str, draft_path: str | None, mode: str) -> Opened:
 
 def load_weights(opened: Opened, kcfg: KernelConfig, progress: bool = True,
                  parallel: ParallelConfig = SINGLE_DEVICE) -> Models:
-    """Load the weights of opened models, laid out for `kcfg` (a target to split over several devices, as stored:
-    `parallel.load_layout`)."""
+    """Load the weights of opened models, laid out for `kcfg` (a target for several devices straight into its
+    shards: `parallel.load_split`)."""
     t0 = time.perf_counter()
     check_split(opened.target.config, {}, parallel.devices)  # the heads, before any weight is read
-    target = load_target(opened.target, progress=progress, kcfg=load_layout(kcfg, parallel))
+    target = load_split(opened.target, kcfg, parallel, progress)
     draft = None
     if opened.draft_path is not None:
         draft = load_draft(opened.draft_path, target.config, progress=progress, kcfg=kcfg)
@@ -141,11 +140,15 @@ def fit_max_ctx(requested: int, prompt_len: int, n_gen: int, context: int | None
 
 
 def check_memory(engine: Engine) -> None:
-    """Refuse a context whose caches would not fit the device's free memory, before they are allocated."""
-    need, free = engine.state_bytes(), free_memory()
+    """Refuse a context whose caches would not fit the free memory of each device they go on (its share of a sharded
+    target's), before they are allocated."""
+    need, (free, device) = engine.state_bytes(per_device=True), least_free(engine.devices)
     if free is not None and need > free:
-        raise UsageError(f"a context of {engine.ecfg.max_ctx} tokens needs {need / 2**30:.2f} GiB of caches, but the "
-                         f"device has {free / 2**30:.2f} GiB free (lower --max_ctx or --n_gen)")
+        n = len(engine.devices)
+        where = "the device has" if n == 1 else f"device {device.id}, one of the {n} it is split over, has"
+        each = "" if n == 1 else " on each device"
+        raise UsageError(f"a context of {engine.ecfg.max_ctx} tokens needs {need / 2**30:.2f} GiB of caches{each}, "
+                         f"but {where} {free / 2**30:.2f} GiB free (lower --max_ctx or --n_gen)")
 
 
 def read_prompt(flag: str | None) -> str:
@@ -347,7 +350,9 @@ def engine_from_flags(argv: Sequence[str]):
     if f.n_gen >= f.max_ctx:
         raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
     models = load_models(target_path, draft_path, f.mode, kcfg, parallel=pcfg)
-    return Engine.from_loaded(models.target, models.draft, ecfg, pcfg, kcfg), models, target_path
+    engine = Engine.from_loaded(models.target, models.draft, ecfg, pcfg, kcfg)
+    check_memory(engine)
+    return engine, models, target_path
 
 
 def main(argv: Sequence[str]) -> None:

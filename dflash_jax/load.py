@@ -89,9 +89,20 @@ def load_target(path: str | os.PathLike | TargetFile, *, progress: bool = True,
     one `open_target` opened), its quantized matrices repacked for `kcfg`'s kernels as they load
     (`dflash_jax.defaults.resolve_kernels` gives the device's configuration; the default is the reference path)."""
     source = path if isinstance(path, TargetFile) else open_target(path)
-    tensors = (_load_gguf(source.gguf, progress, kcfg) if source.gguf is not None
-               else _load_hf_dir(source.path, source.config, progress))
+    tensors = {}
+    for name, x in read_target(source, progress):
+        x = _on_device(x)
+        # repacked one at a time, so the stored layout of only one tensor is on the device at once
+        tensors[name] = x if name == "token_embd.weight" else prepare_matrix(x, kcfg)
     return target_from_tensors(source.config, prepare_target(tensors, kcfg), kcfg)
+
+
+def read_target(source: TargetFile, progress: bool = True) -> Iterator[tuple[str, QTensor | np.ndarray]]:
+    """An opened target's tensors by GGUF name, read one at a time into host memory (numpy arrays and QTensors of
+    them) and checked, for the caller to place (`load_target`; `parallel.load_sharded` slices each first)."""
+    if source.gguf is not None:
+        return _read_gguf(source.gguf, progress)
+    return _read_hf_dir(source.path, source.config, progress)
 
 
 def prepare_target(tensors: dict[str, Any], kcfg: KernelConfig) -> dict[str, Any]:
@@ -117,18 +128,14 @@ def _finite(path: str, name: str, x: QTensor | np.ndarray) -> QTensor | np.ndarr
     return x
 
 
-def _load_gguf(model: GGUFModel, progress: bool, kcfg: KernelConfig) -> dict[str, Any]:
+def _read_gguf(model: GGUFModel, progress: bool) -> Iterator[tuple[str, QTensor | np.ndarray]]:
     path, cfg = model.path, model.config
     # MTP blocks (blk.N and up) are not used by the engine: skip their bytes.
     names = [n for n in model.tensors if not (n.startswith("blk.") and int(n.split(".")[1]) >= cfg.num_layers)]
-    tensors = {}
     with _bar(sum(model.tensors[n].nbytes for n in names), path, progress) as bar:
         for name in names:
-            x = _on_device(model.load(name))
-            # repacked one at a time, so the GGUF layout of only one tensor is on the device at once
-            tensors[name] = x if name == "token_embd.weight" else prepare_matrix(x, kcfg)
+            yield name, model.load(name)
             bar.update(model.tensors[name].nbytes)
-    return tensors
 
 
 def _architectures(d: dict, where: str) -> list[str]:
@@ -186,7 +193,7 @@ def _open_safetensors(files: list[str]) -> Iterator[dict]:
         yield where
 
 
-def _load_hf_dir(path: str, cfg: TargetConfig, progress: bool) -> dict[str, Any]:
+def _read_hf_dir(path: str, cfg: TargetConfig, progress: bool) -> Iterator[tuple[str, QTensor | np.ndarray]]:
     specs = tensor_specs(cfg)
     with _open_safetensors(_safetensors_files(path)) as where:
         info = {name: h.get_slice(name) for name, h in where.items()}
@@ -198,18 +205,16 @@ def _load_hf_dir(path: str, cfg: TargetConfig, progress: bool) -> dict[str, Any]
         if bad:
             raise LoadError(f"{path}: tensor {bad[0]!r} is {dtypes[bad[0]]}; only F32, BF16 and F16 are supported")
         nbytes = {n: int(np.prod(info[n].get_shape())) * np.dtype(_DENSE_DTYPES[dtypes[n]]).itemsize for n in used}
-        tensors = {}
         with _bar(sum(nbytes.values()), path, progress) as bar:
             try:
                 for name, hf_name, x in iter_hf_to_gguf(used, lambda n: where[n].get_tensor(n), convert_cfg):
                     if specs[name].kind == "matrix" and x.ndim == 2:  # kept in its stored precision
                         fmt = dtypes[hf_name]
                         x = QTensor(data={"w": x.astype(_DENSE_DTYPES[fmt])}, fmt=fmt, shape=x.shape)
-                    tensors[name] = _on_device(_finite(path, hf_name, x))
+                    yield name, _finite(path, hf_name, x)
                     bar.update(nbytes[hf_name])
             except WeightsError as e:
                 raise LoadError(f"{path}: {e}") from None
-    return tensors
 
 
 def draft_config(path: str | os.PathLike, target: TargetConfig) -> DraftConfig:

@@ -1,7 +1,7 @@
 """The target tensor-parallel over a 1-D mesh of local devices: one SPMD program (docs/architecture.md, "Several
 devices").
 
-Each shard holds a slice of every layer (`shard_tensors`): attention by KV heads (the query heads of their groups),
+Each shard holds a slice of every layer (`shard_plan`, `take`): attention by KV heads (the query heads of their groups),
 the Gated DeltaNet by key heads with the value heads that read them, the MLP's gate/up by rows and down by
 columns, the head by rows; the norms and the embedding are replicated. Inside `jax.shard_map` each shard runs the
 model code on a local config (`local_config`: heads and intermediate size divided), the partial outputs of o_proj,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
@@ -28,11 +28,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dflash_jax.config import FULL_ATTENTION, ConfigError, KernelConfig, ParallelConfig, TargetConfig
 from dflash_jax.engine.prefill import SplitTarget, split_weights
-from dflash_jax.kernels import REFERENCE
-from dflash_jax.load import prepare_target
+from dflash_jax.gguf import tensor_specs
+from dflash_jax.kernels import DENSE_LIMIT, REFERENCE, prepare_matrix
+from dflash_jax.load import TargetFile, load_target, prepare_target, read_target
 from dflash_jax.models import target
 from dflash_jax.models.target import Target, TargetState, init_state, target_tensors
-from dflash_jax.quant import FORMATS, QTensor
+from dflash_jax.quant import FORMATS, QTensor, block_format, dequantize
 
 # module names whose weights every shard holds whole
 REPLICATED = frozenset({"embed_tokens", "norm", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"})
@@ -60,14 +61,55 @@ def parallel_config(devices: str | int) -> ParallelConfig:
 
 
 def load_layout(kcfg: KernelConfig, pcfg: ParallelConfig) -> KernelConfig:
-    """The layout to load a target in: the kernels' own on one device; on several the reference one (matrices as
-    stored), since the split comes first and each shard is laid out for `kcfg` after (`ShardedTarget.over`)."""
+    """The layout to build a whole target in: the kernels' own on one device; on several the reference one (matrices
+    as stored), since the split comes first and each shard is laid out for `kcfg` after (`ShardedTarget.over`)."""
     return kcfg if pcfg.devices == 1 else REFERENCE
 
 
-def split_target(model: Target, kcfg: KernelConfig, pcfg: ParallelConfig) -> SplitTarget:
+def load_split(source: TargetFile, kcfg: KernelConfig, pcfg: ParallelConfig, progress: bool = True
+               ) -> Target | "ShardedTarget":
+    """An opened target loaded for `pcfg`'s devices: whole on one (`load.load_target`), straight into its shards on
+    several (`load_sharded`)."""
+    if pcfg.devices == 1:
+        return load_target(source, progress=progress, kcfg=kcfg)
+    return load_sharded(source, kcfg, pcfg, progress)
+
+
+def load_sharded(source: TargetFile, kcfg: KernelConfig, pcfg: ParallelConfig, progress: bool = True
+                 ) -> "ShardedTarget":
+    """An opened target read into its shards: each tensor read on the host, sliced there and each slice put on its
+    device (laid out for `kcfg` there), so no device ever holds the whole target; a GGUF's quants are checked to
+    split on their blocks before any weight is read."""
+    if source.gguf is not None and not dense_layout(source.config, kcfg):
+        check_split(source.config, {name: block_format(info.ggml_type).name
+                                    for name, info in source.gguf.tensors.items()}, pcfg.devices)
+    return ShardedTarget.from_tensors(source.config, read_target(source, progress), kcfg, pcfg)
+
+
+def dense_layout(cfg: TargetConfig, kcfg: KernelConfig) -> bool:
+    """Whether `kcfg` lays every matrix of the target out dense: the reference path's, for a target whose float32
+    matrices fit `kernels.DENSE_LIMIT` (`kernels.prepare_matrices`). Its quants are then dequantized before the split
+    and need not split on their blocks."""
+    specs = tensor_specs(dataclasses.replace(cfg, num_mtp_layers=0, tie_word_embeddings=False))
+    dense = sum(4 * int(np.prod(s.shape)) for name, s in specs.items()
+                if s.kind == "matrix" and len(s.shape) == 2 and name != "token_embd.weight")
+    return kcfg.impl == "reference" and dense <= DENSE_LIMIT
+
+
+def _dequantized(x: Any) -> Any:
+    """A stored matrix as float32 numpy, dequantized on the host's CPU (another tensor as it is)."""
+    return np.asarray(dequantize(jax.device_put(x, jax.devices("cpu")[0]))) if isinstance(x, QTensor) else x
+
+
+def split_target(model: Target | "ShardedTarget", kcfg: KernelConfig, pcfg: ParallelConfig) -> SplitTarget:
     """The model split once for the jitted functions: on one device as it is (`SplitTarget.of`: its matrices
-    already in `kcfg`'s layout), on several over a mesh (`ShardedTarget.over`)."""
+    already in `kcfg`'s layout), on several over a mesh (`ShardedTarget.over`; a ShardedTarget, loaded straight
+    into its shards by `load_sharded`, as it is)."""
+    if isinstance(model, ShardedTarget):
+        if (model.parallel.mesh.size, model.kcfg) != (pcfg.devices, kcfg):
+            raise ConfigError(f"--devices {pcfg.devices}: the target was sharded over {model.parallel.mesh.size} "
+                              f"device(s) for {model.kcfg.describe()}, not for {kcfg.describe()}")
+        return model
     return SplitTarget.of(model) if pcfg.devices == 1 else ShardedTarget.over(model, kcfg, pcfg)
 
 
@@ -79,14 +121,20 @@ def local_config(cfg: TargetConfig, n: int) -> TargetConfig:
                                linear_num_value_heads=cfg.linear_num_value_heads // n)
 
 
+def _format(x: Any) -> str | None:
+    """The stored format of a matrix (a QTensor, or a format's name: a GGUF header's), None for a dense array."""
+    return x if isinstance(x, str) else x.fmt if isinstance(x, QTensor) else None
+
+
 def _block(x: Any) -> int:
     """Columns per block of a stored matrix: its quant's block, 1 for a dense one."""
-    return FORMATS[x.fmt].block_size if isinstance(x, QTensor) else 1
+    return 1 if _format(x) is None else FORMATS[_format(x)].block_size
 
 
 def check_split(cfg: TargetConfig, tensors: dict[str, Any], n: int) -> None:
     """Raise ConfigError unless the target splits n ways: heads, intermediate size and vocabulary divide, and the
-    column slices of each quantized o_proj, out_proj and down_proj start and end on its blocks."""
+    column slices of each quantized o_proj, out_proj and down_proj start and end on its blocks (`tensors`: GGUF
+    name -> tensor, or its format's name)."""
     for what, count in (("KV heads", cfg.num_kv_heads), ("Gated DeltaNet key heads", cfg.linear_num_key_heads),
                         ("Gated DeltaNet value heads", cfg.linear_num_value_heads),
                         ("intermediate size", cfg.intermediate_size), ("vocabulary", cfg.vocab_size)):
@@ -100,8 +148,8 @@ def check_split(cfg: TargetConfig, tensors: dict[str, Any], n: int) -> None:
     for name, x in tensors.items():
         base = name.split(".", 2)[-1]
         if base in runs and runs[base] % _block(x):
-            raise ConfigError(f"--devices {n}: {name} is {x.fmt}, whose blocks of {_block(x)} columns do not split "
-                              f"into slices of {runs[base]} columns")
+            raise ConfigError(f"--devices {n}: {name} is {_format(x)}, whose blocks of {_block(x)} columns do not "
+                              f"split into slices of {runs[base]} columns")
 
 
 def _rows(x: Any, idx: np.ndarray) -> Any:
@@ -155,16 +203,22 @@ def _mlp_slices(cfg: TargetConfig, n: int, s: int) -> dict[str, tuple[str, np.nd
     return {"ffn_gate.weight": ("rows", inter), "ffn_up.weight": ("rows", inter), "ffn_down.weight": ("cols", inter)}
 
 
-def shard_tensors(cfg: TargetConfig, tensors: dict[str, Any], n: int, shard: int) -> dict[str, Any]:
-    """One shard's tensors by GGUF name (`check_split` first): its slices of the split ones, the others as they are."""
-    out = dict(tensors)
-    out["output.weight"] = _rows(tensors["output.weight"], _span(shard, cfg.vocab_size // n))
+def shard_plan(cfg: TargetConfig, n: int, shard: int) -> dict[str, tuple[str, np.ndarray]]:
+    """GGUF name -> ("rows" or "cols", the indices shard `shard` of n takes) of every split tensor; the tensors it
+    does not name are replicated."""
+    plan = {"output.weight": ("rows", _span(shard, cfg.vocab_size // n))}
     for i, layer_type in enumerate(cfg.layer_types):
-        slices = {**_layer_slices(cfg, n, shard, layer_type), **_mlp_slices(cfg, n, shard)}
-        for name, (how, idx) in slices.items():
-            full = f"blk.{i}.{name}"
-            out[full] = (_rows if how == "rows" else _cols)(tensors[full], idx)
-    return out
+        for name, cut in {**_layer_slices(cfg, n, shard, layer_type), **_mlp_slices(cfg, n, shard)}.items():
+            plan[f"blk.{i}.{name}"] = cut
+    return plan
+
+
+def take(plan: dict[str, tuple[str, np.ndarray]], name: str, x: Any) -> Any:
+    """A shard's part of tensor `name` (`check_split` first): its slice of a split one, a replicated one whole."""
+    if name not in plan:
+        return x
+    how, idx = plan[name]
+    return (_rows if how == "rows" else _cols)(x, idx)
 
 
 def _replicated(path: tuple) -> bool:
@@ -173,13 +227,18 @@ def _replicated(path: tuple) -> bool:
 
 
 def weight_specs(weights: Any, axis: str) -> Any:
-    """The PartitionSpec of each leaf of sharded weights: replicated ones whole, the others stacked on axis 0."""
+    """The PartitionSpec of each leaf of sharded weights: replicated ones whole, the others split on axis 0 (each
+    shard's block its own leaf, `_place`)."""
     return jax.tree_util.tree_map_with_path(lambda p, _: P() if _replicated(p) else P(axis), weights)
 
 
-def _local_weights(weights: Any) -> Any:
-    """A shard's view of its block of the stacked weights (the stacking axis dropped)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: x if _replicated(p) else x[0], weights)
+def state_device_bytes(state: TargetState, n: int) -> int:
+    """Bytes each of n devices holds of a target state (or its shapes) laid out by `state_specs`: its share of the
+    caches and of the conv and recurrent state (split by head), the length whole."""
+    def share(x, spec):
+        return x.size * x.dtype.itemsize // (n if "heads" in tuple(spec) else 1)
+
+    return sum(jax.tree.leaves(jax.tree.map(share, state, state_specs(state, "heads"))))
 
 
 def state_specs(state: TargetState, axis: str) -> TargetState:
@@ -206,7 +265,7 @@ class TargetParallel:
                       n_valid: jax.Array, taps: tuple[int, ...], all_logits: bool, kcfg: KernelConfig):
         """`target.prefill_chunk` of the sharded target."""
         def body(w, st, tok, nv):
-            return target.prefill_chunk(nnx.merge(graph, _local_weights(w)), self.local, st, tok, nv, taps,
+            return target.prefill_chunk(nnx.merge(graph, w), self.local, st, tok, nv, taps,
                                         all_logits, kcfg, axis=self.axis)
 
         sspecs = state_specs(state, self.axis)
@@ -219,10 +278,9 @@ class TargetParallel:
         device computes them alike), (tweights, dweights, state, stop_ids, sampling) -> (state, StepOut)."""
         def run(tweights, dweights, state, stop_ids, sampling=None):
             sspecs = self.decode_specs(state)
-            body = lambda tw, dw, st, stop, *smp: fn(_local_weights(tw), dw, st, stop, *smp)  # noqa: E731
             extra = () if sampling is None else (sampling,)
             in_specs = (weight_specs(tweights, self.axis), P(), sspecs, P()) + (P(),) * len(extra)
-            return self._map(body, in_specs, (sspecs, P()))(tweights, dweights, state, stop_ids, *extra)
+            return self._map(fn, in_specs, (sspecs, P()))(tweights, dweights, state, stop_ids, *extra)
 
         return run
 
@@ -243,14 +301,17 @@ def _chunk_function(parallel: TargetParallel, graph: nnx.GraphDef) -> Callable:
 
 
 def _place(mesh: Mesh, axis: str, shards: list[Any]) -> Any:
-    """Per-shard weight pytrees as one of global arrays: replicated leaves whole on each device (shard 0's), the
-    others stacked on a new axis 0, each device holding its own block (never gathered on one device)."""
+    """Per-shard weight pytrees, each leaf already on its shard's device, as one of global arrays made of those
+    leaves (nothing copied): replicated leaves whole on each device, the others the shards' blocks one after the
+    other on axis 0 (the global array of a split matrix is no matrix of the model: only its blocks are read)."""
+    devices = list(mesh.devices.flat)
+
     def put(path, *leaves):
-        if _replicated(path):
-            return jax.device_put(leaves[0], NamedSharding(mesh, P()))
-        blocks = [jax.device_put(x, d)[None] for x, d in zip(leaves, mesh.devices.flat)]
-        return jax.make_array_from_single_device_arrays((len(leaves), *leaves[0].shape),
-                                                        NamedSharding(mesh, P(axis)), blocks)
+        whole = _replicated(path)
+        shape = leaves[0].shape if whole else (len(leaves) * leaves[0].shape[0], *leaves[0].shape[1:])
+        blocks = [jax.device_put(x, d) for x, d in zip(leaves, devices)]  # already there: no copy
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P() if whole else P(axis)),
+                                                        blocks)
 
     return jax.tree_util.tree_map_with_path(put, *shards)
 
@@ -258,40 +319,79 @@ def _place(mesh: Mesh, axis: str, shards: list[Any]) -> Any:
 @dataclasses.dataclass(frozen=True)
 class ShardedTarget(SplitTarget):
     """A Target split over a mesh: the graph of one shard's module, the weights of all shards as global arrays
-    (`_place`), its jitted prefill chunk and the TargetParallel (`parallel`) its step runs."""
+    (`_place`), its jitted prefill chunk, the TargetParallel (`parallel`) its step runs, and the global config and
+    the KernelConfig its shards are laid out for (what `Engine.from_loaded` reads of a loaded target)."""
+
+    config: TargetConfig | None = None
+    kcfg: KernelConfig | None = None
 
     def init_state(self, cfg: TargetConfig, slots: int, kv_type: str = "f32", v_type: str | None = None
                    ) -> TargetState:
         """An empty target state of the global config laid out over the mesh, each device allocating its part."""
         make = functools.partial(init_state, cfg, slots, kv_type, v_type)
-        specs = state_specs(jax.eval_shape(make), self.parallel.axis)
-        return jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(self.parallel.mesh, s), specs))()
+        return jax.jit(make, out_shardings=self.state_shardings(jax.eval_shape(make)))()
+
+    def state_shardings(self, state: TargetState) -> TargetState:
+        """The NamedShardings of a target state (or its shapes) on the mesh: caches and recurrent state by head."""
+        specs = state_specs(state, self.parallel.axis)
+        return jax.tree.map(lambda s: NamedSharding(self.parallel.mesh, s), specs)
 
     def replicated(self, tree: Any) -> Any:
         """A pytree of arrays copied whole onto every device of the mesh (the drafter's weights and state)."""
         return jax.device_put(tree, NamedSharding(self.parallel.mesh, P()))
 
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices of the mesh, in shard order."""
+        return tuple(self.parallel.mesh.devices.flat)
+
+    def state_device_bytes(self, state: TargetState) -> int:
+        """Bytes of a target state (or its shapes) that each device of the mesh holds (`state_device_bytes`)."""
+        return state_device_bytes(state, self.parallel.mesh.size)
+
     @classmethod
     def over(cls, model: Target, kcfg: KernelConfig, pcfg: ParallelConfig) -> "ShardedTarget":
         """The model sharded over the first pcfg.devices local devices; its matrices must be in the layout they
-        load in (QTensor or float arrays), and each shard's are then laid out for `kcfg`."""
-        cfg, n = model.config, pcfg.devices
+        load in (QTensor or float arrays), and each shard's are then laid out for `kcfg`. Each tensor is copied to
+        the host, sliced there and its slices put on their devices (`from_tensors`); the model is left as it is."""
         tensors = target_tensors(model)
         stored = [name for name, x in tensors.items()
                   if not isinstance(x, QTensor) and not isinstance(x, (jax.Array, np.ndarray))]
         if stored:
-            raise ConfigError(f"--devices {n}: the target's {stored[0]} is already in a kernel layout; sharding "
-                              f"needs the target loaded in the reference layout (load_target with the reference "
-                              f"kernels), each shard being laid out after the split")
-        check_split(cfg, tensors, n)
+            raise ConfigError(f"--devices {pcfg.devices}: the target's {stored[0]} is already in a kernel layout; "
+                              f"sharding needs the target loaded in the reference layout (load_target with the "
+                              f"reference kernels), each shard being laid out after the split")
+        return cls.from_tensors(model.config, ((name, jax.device_get(x)) for name, x in tensors.items()), kcfg,
+                                pcfg)
+
+    @classmethod
+    def from_tensors(cls, cfg: TargetConfig, tensors: Iterable[tuple[str, Any]], kcfg: KernelConfig,
+                     pcfg: ParallelConfig) -> "ShardedTarget":
+        """A target sharded over the first pcfg.devices local devices from its tensors by GGUF name, in host memory
+        as stored and taken one at a time (`load.read_target`): each is sliced on the host and each slice put on
+        its device and laid out for `kcfg` there, so a device holds its shard and one tensor's slice in the stored
+        layout, never the whole target. A tied head (no output.weight) takes each shard's rows of the embedding."""
+        n, dense = pcfg.devices, dense_layout(cfg, kcfg)
+        check_split(cfg, {}, n)
         check_present(n)
         lcfg, devices = local_config(cfg, n), jax.local_devices()[:n]
+        plans = [shard_plan(cfg, n, s) for s in range(n)]
+        parts: list[dict[str, Any]] = [{} for _ in devices]
+        for name, x in tensors:
+            x = _dequantized(x) if dense and name != "token_embd.weight" else x
+            check_split(cfg, {name: x}, n)
+            for s, device in enumerate(devices):
+                piece = jax.device_put(take(plans[s], name, x), device)
+                parts[s][name] = piece if name == "token_embd.weight" else prepare_matrix(piece, kcfg)
         graph, shards = None, []
-        for s in range(n):
-            local = target.target_from_tensors(lcfg, prepare_target(shard_tensors(cfg, tensors, n, s), kcfg), kcfg,
-                                               head_axis=pcfg.axis)
+        for s, part in enumerate(parts):
+            if "output.weight" not in part:
+                part["output.weight"] = prepare_matrix(take(plans[s], "output.weight", part["token_embd.weight"]),
+                                                       kcfg)
+            local = target.target_from_tensors(lcfg, prepare_target(part, kcfg), kcfg, head_axis=pcfg.axis)
             graph, weights = split_weights(local)
-            shards.append(jax.device_put(weights, devices[s]))  # on its device at once: one shard at a time here
+            shards.append(weights)
+            part.clear()  # the shard's module holds its arrays now
         mesh = Mesh(np.asarray(devices), (pcfg.axis,))
         parallel = TargetParallel(mesh, lcfg, pcfg.axis)
-        return cls(graph, _place(mesh, pcfg.axis, shards), _chunk_function(parallel, graph), parallel)
+        return cls(graph, _place(mesh, pcfg.axis, shards), _chunk_function(parallel, graph), parallel, cfg, kcfg)

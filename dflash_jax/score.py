@@ -18,12 +18,12 @@ import numpy as np
 from dflash_jax import assets
 from dflash_jax.config import (KV_TYPES, SINGLE_DEVICE, KernelConfig, ParallelConfig, TargetConfig,
                                check_prefill_chunk)
-from dflash_jax.defaults import free_memory, host_memory, resolve_engine, resolve_kernels
+from dflash_jax.defaults import host_memory, least_free, resolve_engine, resolve_kernels
 from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunks
 from dflash_jax.errors import InputError, brief, run_main
-from dflash_jax.load import Target, load_target, open_target, target_tokenizer
+from dflash_jax.load import Target, open_target, target_tokenizer
 from dflash_jax.models.target import init_state
-from dflash_jax.parallel import check_split, load_layout, parallel_config, split_target
+from dflash_jax.parallel import check_split, load_split, parallel_config, split_target, state_device_bytes
 from dflash_jax.tokenizer import require_utf8
 
 
@@ -93,7 +93,8 @@ def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_type
     """Teacher-forced logits of every position of ids (a float32 KV cache by default, the reference precision; the
     values in `v_type` if given), in a cache of `slots` (default: the sequence rounded up to the chunk; one size for
     sequences of several lengths compiles the chunk once). With `parallel` over several devices the target (loaded
-    as stored: `parallel.load_layout`) is split over them, each shard laid out for `kcfg` (default: the model's)."""
+    into its shards by `parallel.load_split`, or whole as stored: `parallel.load_layout`) is split over them, each
+    shard laid out for `kcfg` (default: the model's)."""
     cfg = model.config
     kcfg = model.kcfg if kcfg is None else kcfg
     ids = check_tokens(cfg, ids)
@@ -124,9 +125,9 @@ def out_path(out: str | None) -> str | None:
     return path
 
 
-def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_types: tuple[str, str]) -> None:
+def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_types: tuple[str, str], devices: int = 1) -> None:
     """Refuse, before loading the weights, a sequence or chunk longer than the model's context, and logits or caches
-    that would not fit the free memory."""
+    that would not fit the free memory (of each of `devices` local devices, which hold a share of the caches)."""
     context = cfg.max_position_embeddings
     if n > context:
         raise InputError(f"{n} tokens exceed the model's context of {context} tokens")
@@ -139,9 +140,11 @@ def check_fits(cfg: TargetConfig, n: int, chunk: int, kv_types: tuple[str, str])
                          f"{host / 2**30:.2f} GiB free")
     slots = -(-n // chunk) * chunk
     shapes = jax.eval_shape(lambda: init_state(cfg, slots, *kv_types))
-    cache, free = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)), free_memory()
+    cache, (free, device) = state_device_bytes(shapes, devices), least_free(jax.local_devices()[:devices])
     if free is not None and cache > free:
-        raise InputError(f"the caches of {slots} tokens need {cache / 2**30:.2f} GiB, but the device has "
+        where = "the device has" if devices == 1 else f"device {device.id}, one of the {devices} they split over, has"
+        each = "" if devices == 1 else " on each device"
+        raise InputError(f"the caches of {slots} tokens need {cache / 2**30:.2f} GiB{each}, but {where} "
                          f"{free / 2**30:.2f} GiB free")
 
 
@@ -170,8 +173,8 @@ def run(argv: list[str]) -> int:
     if ids is None:
         ids = np.asarray(target_tokenizer(target).encode(text))
     check_tokens(target.config, ids)
-    check_fits(target.config, len(ids), f.prefill_chunk, kv_types)
-    model = load_target(target, kcfg=load_layout(kcfg, pcfg))
+    check_fits(target.config, len(ids), f.prefill_chunk, kv_types, pcfg.devices)
+    model = load_split(target, kcfg, pcfg)
     t1 = time.perf_counter()
     result = score(model, ids, chunk=f.prefill_chunk, kv_type=kv_types[0], v_type=kv_types[1], kcfg=kcfg,
                    parallel=pcfg)

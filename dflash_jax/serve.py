@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Sequence
 
-from dflash_jax.defaults import free_memory
+from dflash_jax.defaults import least_free
 from dflash_jax.engine.sampling import SamplingParams
 from dflash_jax.errors import run_main
 from dflash_jax.generate import UsageError, define_model_flags, engine_from_flags, parse_flags
@@ -99,7 +99,8 @@ def run(argv: Sequence[str]) -> int:
         settings = Settings(models.tokenizer, f.model_name or model_name(target_path), f.max_ctx,
                             models.target.config.vocab_size, f.n_gen, f.thinking, sampling, f.seed,
                             f.reasoning_budget)
-        cache = prefix_cache_bytes(f.prefix_cache_gb, engine.state_bytes(), free_memory())
+        cache = prefix_cache_bytes(f.prefix_cache_gb, engine.state_bytes(per_device=True),
+                                   least_free(engine.devices)[0])
         worker = Worker(engine, models.tokenizer, f.max_queue, log=_log if f.stats else lambda _: None,
                         prefix_cache_bytes=cache)
         port = sock.getsockname()[1]  # the one the system chose for --port 0

@@ -52,7 +52,7 @@ from dflash_jax.engine.sampling import GREEDY  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.generate import kv_cache_words  # noqa: E402
-from dflash_jax.parallel import load_layout, parallel_config  # noqa: E402
+from dflash_jax.parallel import load_layout, parallel_config, split_target  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
 from dflash_jax.testing import synthetic  # noqa: E402
@@ -413,6 +413,8 @@ def run(args: argparse.Namespace) -> None:
                          "--no-long_phases, compiled_memory); timing its phases apart is not implemented")
     res["devices"] = pcfg.devices
     target, draft, info = make_models(args.model, kcfg, log, load_layout(kcfg, pcfg))
+    if pcfg.devices > 1:  # split once, the whole target (built on device 0) freed: every engine shares the shards
+        target = split_target(target, kcfg, pcfg)
     build = functools.partial(engine_for, parallel=pcfg, kcfg=kcfg)  # every engine of the run: on --devices
     res["models"] = info | {"memory_after_load": memory()}
     log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "

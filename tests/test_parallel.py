@@ -1,8 +1,10 @@
 """The target tensor-parallel over several devices (dflash_jax/parallel.py): the refusals, the value heads' order, and
-(in a process of 4 CPU devices, tests/mesh_cases.py) 2- and 4-way meshes giving one device's logits and greedy ids."""
+(in a process of 4 CPU devices, tests/mesh_cases.py) 2- and 4-way meshes giving one device's logits and greedy ids, a
+target loaded straight into its shards, and the sharded step with the GPU kernels lowering for CUDA."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -22,18 +24,64 @@ CFG = tiny_target_config(num_layers=2, interval=2, vocab_size=64, hidden_size=32
                          linear_key_head_dim=16, linear_value_head_dim=16)
 
 
-@pytest.fixture(scope="module")
-def mesh_run():
+def mesh_cases(*args: str) -> dict:
+    """The JSON object tests/mesh_cases.py prints, run in a process of 4 CPU devices."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_cases.py")], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_cases.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def mesh_run():
+    return mesh_cases()
+
+
+def test_a_target_loads_straight_into_its_shards(mesh_run):
+    """`load_sharded` on a 2-way mesh: each device holds its shard (the split tensors' halves and the replicated
+    ones), device 0 no more than device 1 and far less than the whole target, the devices off the mesh nothing; every
+    weight is one global array over the mesh; the commands load it so (its greedy ids: the fixture's test)."""
+    run = mesh_run["load"]
+    held, whole = run["held"], run["whole"]
+    assert held[0] == held[1] and held[2] == held[3] == 0
+    assert whole / 2 < held[0] < 0.75 * whole  # the embedding is whole on both, every split tensor halved
+    assert run["placed"] and run["loaded"] == "ShardedTarget"
+
+
+def test_a_tied_head_is_split_from_the_embedding(mesh_run):
+    """Without output.weight each shard's head is its rows of the embedding, in mesh order (the head's all-gather of
+    the logits is the fixture's test)."""
+    has_head, by_rows, equal = mesh_run["load"]["tied"]
+    assert not has_head and by_rows and equal
+
+
+def test_the_caches_are_checked_against_each_devices_share(mesh_run):
+    """`state_bytes(per_device=True)` is what device 0 holds of an allocated state, half the caches' total on 2
+    devices; a context whose share does not fit a device is refused naming it."""
+    total, per_device, on_device0 = mesh_run["load"]["state_bytes"]
+    assert per_device == on_device0 and total / 2 <= per_device < total
+    assert re.fullmatch(r"a context of 17179869184 tokens needs [\d.]+ GiB of caches on each device, but device \d, "
+                        r"one of the 2 it is split over, has [\d.]+ GiB free \(lower --max_ctx or --n_gen\)",
+                        mesh_run["load"]["refusal"])
+
+
+def test_the_sharded_step_lowers_for_cuda_with_the_gpu_kernels():
+    """The step (AR and DDTree) of a target sharded 2 ways, with a Hopper's kernels and Q4_K/Q8_0 matrices, lowers
+    for CUDA inside shard_map on a mesh of CPU devices: the Triton kernels (attention, conv, Gated DeltaNet, the
+    Q8_0 products) and the Mosaic GPU Q4_K product inside the shard_map body, one all-reduce per layer's mixer and
+    MLP, one all-gather of the head's logits."""
+    run = mesh_cases("lowering")
+    for mode, product in (("ar", "gemv_q8_0"), ("ddtree", "qmatmul_q8_0")):
+        lowered = run[mode]
+        assert {"tree_attention", "tree_conv", "gdn_blocks", "gdn_commit", product} <= set(lowered["kernels"]), mode
+        assert "mosaic_gpu_v2" in lowered["calls"], mode
+        assert lowered["all_reduce"] == 2 * 4 and lowered["all_gather"] == 1 and lowered["shard_map"] == 1, mode
+
+
 def test_the_fixture_on_two_devices_decodes_the_reference_greedy_ids(mesh_run):
-    """The fixture pair over a 2-way mesh: AR and DDTree emit HF's greedy ids; its prompt logits are one device's to
-    float32 rounding (the all-reduces sum in another order)."""
+    """The fixture pair loaded into a 2-way mesh: AR and DDTree emit HF's greedy ids; its prompt logits are one
+    device's to float32 rounding (the all-reduces sum in another order)."""
     run = mesh_run["fixture"]
     want = np.load(TINY / "ref.npz")["hf_q_greedy"][:len(run["ar2"])].tolist()
     assert mesh_run["devices"] == 4

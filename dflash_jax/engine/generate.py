@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig, TargetConfig
-from dflash_jax.engine.prefill import InputError, check_tokens, prefill_chunks, split_weights
+from dflash_jax.engine.prefill import InputError, SplitTarget, check_tokens, prefill_chunks, split_weights
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
@@ -87,10 +87,12 @@ class Engine:
     close over their graphs, so no step merges, flattens or hashes a module.
 
     With `parallel` over several devices the target is split over them (dflash_jax.parallel.ShardedTarget: its
-    matrices must then be in the layout they load in), the drafter replicated."""
+    matrices must then be in the layout they load in), or comes split (a ShardedTarget, as `parallel.load_sharded`
+    loads one), the drafter replicated."""
 
-    def __init__(self, tcfg: TargetConfig, tparams: Target, ecfg: EngineConfig, drafter: Drafter | None = None,
-                 dparams: Any = None, kcfg: KernelConfig = REFERENCE, parallel: ParallelConfig = SINGLE_DEVICE):
+    def __init__(self, tcfg: TargetConfig, tparams: Target | SplitTarget, ecfg: EngineConfig,
+                 drafter: Drafter | None = None, dparams: Any = None, kcfg: KernelConfig = REFERENCE,
+                 parallel: ParallelConfig = SINGLE_DEVICE):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
         self.tcfg, self.ecfg, self.pcfg = tcfg, ecfg, parallel
@@ -119,8 +121,9 @@ class Engine:
     @classmethod
     def from_loaded(cls, target, draft, ecfg: EngineConfig, parallel: ParallelConfig = SINGLE_DEVICE,
                     kcfg: KernelConfig | None = None) -> "Engine":
-        """An engine from `load_target` / `load_draft` results (draft may be None in ar mode); `kcfg` (default: the
-        target's) is the shards' layout when `parallel` splits a target loaded in the reference layout."""
+        """An engine from `load_target` (or `parallel.load_split`) / `load_draft` results (draft may be None in ar
+        mode); `kcfg` (default: the target's) is the shards' layout when `parallel` splits a target loaded in the
+        reference layout."""
         kcfg = target.kcfg if kcfg is None else kcfg
         if draft is None:
             return cls(target.config, target, ecfg, kcfg=kcfg, parallel=parallel)
@@ -136,10 +139,20 @@ class Engine:
         draft = self.drafter.init_state(max_ctx, kv_types, self.ecfg.draft_ctx) if self.drafter else None
         return self.tsplit.init_state(self.tcfg, max_ctx + MAX_TREE_NODES, *kv_types), self.tsplit.replicated(draft)
 
-    def state_bytes(self) -> int:
+    def state_bytes(self, per_device: bool = False) -> int:
         """Bytes of the caches a generation allocates (`_empty_states`), from their shapes alone: nothing is
-        allocated."""
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(self._empty_states)))
+        allocated. per_device: the bytes each of `devices` holds (a sharded target's share of its caches, the
+        drafter's whole), which is all of them on one device."""
+        tstate, dstate = jax.eval_shape(self._empty_states)
+        draft = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dstate))
+        if per_device:
+            return self.tsplit.state_device_bytes(tstate) + draft
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tstate)) + draft
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices the engine's weights and state live on (a sharded target's mesh, else JAX's first)."""
+        return self.tsplit.devices
 
     def start(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
               after: DecodeState | None = None, keep_pending: bool = True,

@@ -67,6 +67,15 @@ class SplitTarget:
         one device (a sharded target copies it to every device of its mesh)."""
         return tree
 
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices the target's weights and state live on: JAX's first on one device."""
+        return (jax.devices()[0],)
+
+    def state_device_bytes(self, state: TargetState) -> int:
+        """Bytes of a target state (or its shapes) that each of `devices` holds: all of it on one device."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
 
 def check_tokens(cfg: TargetConfig, ids: np.ndarray | list[int]) -> np.ndarray:
     """The ids as a 1-D int32 array, after checking that they are a non-empty sequence inside the vocabulary."""
