@@ -95,7 +95,7 @@ class Engine:
                  parallel: ParallelConfig = SINGLE_DEVICE):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
-        self.tcfg, self.ecfg, self.pcfg = tcfg, ecfg, parallel
+        self.tcfg, self.ecfg = tcfg, ecfg
         self.tsplit = split_target(tparams, kcfg, parallel)
         self.parallel = self.tsplit.parallel
         self.tgraph, self.tweights = self.tsplit.graph, self.tsplit.weights
