@@ -39,10 +39,11 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference, read_rate,  # noqa: E402
-                      fit_verify_cost)
+from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference,  # noqa: E402
+                      fit_verify_cost, gpu_events_by_device, read_rate)
 
 from exactness import margin  # noqa: E402
+from gpu_step_profile import summarize  # noqa: E402
 
 from dflash_jax import kv_quant as kvq  # noqa: E402
 from dflash_jax.config import MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig  # noqa: E402
@@ -408,9 +409,9 @@ def run(args: argparse.Namespace) -> None:
     res["engine"], res["kernels"] = dataclasses.asdict(base), dataclasses.asdict(kcfg)
     log(f"{kcfg.describe()}; {kv_cache_words(base)}, DDTree budget {base.budget}")
     pcfg = parallel_config(args.devices)
-    if pcfg.devices > 1 and ("steps" in sections or ("long" in sections and args.long_phases)):
-        raise SystemExit("--devices: a sharded target's step is timed whole (sections ar, forced, long with "
-                         "--no-long_phases, compiled_memory); timing its phases apart is not implemented")
+    if pcfg.devices > 1 and args.long_phases and "long" in sections:
+        raise SystemExit("--devices: a sharded target's long-context step is timed whole (add --no-long_phases); "
+                         "timing its phases apart is not implemented")
     res["devices"] = pcfg.devices
     target, draft, info = make_models(args.model, kcfg, log, load_layout(kcfg, pcfg))
     if pcfg.devices > 1:  # split once, the whole target (built on device 0) freed: every engine shares the shards
@@ -465,11 +466,7 @@ def run(args: argparse.Namespace) -> None:
                 f"{row['speedup']:.2f} x AR, error rate {row['error_rate']:.4f}, {len(tries)} tries")
             save()
         if args.profile:
-            engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
-            tracer = StepTrace(args.profile, steps=8)
-            engine.generate(prompt, args.n_gen, NO_STOPS, on_tokens=tracer)
-            tracer.close()
-            log(f"profile of 8 DDTree-{forced_budget} steps written to {args.profile}")
+            res["profile"] = trace_steps(engine, draft, prompt, sequence, rate_for_steps, args, log)
 
     res["memory_after_max_ctx_runs"] = memory()
 
@@ -506,14 +503,20 @@ def run(args: argparse.Namespace) -> None:
                 break
             engine = build(target, draft, dataclasses.replace(base, mode=mode, budget=budget), forced=True)
             engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
-            state, first = engine.start(prompt, args.max_ctx - len(prompt), NO_STOPS)
-            phases = phase_times(engine, state, args.iters)
+            if pcfg.devices == 1:  # the phases jitted apart take one device's target
+                state, first = engine.start(prompt, args.max_ctx - len(prompt), NO_STOPS)
+                phases = phase_times(engine, state, args.iters)
+                del state
+            else:
+                phases = None
             row, _ = forced_run(engine, draft, prompt, sequence, rate_for_steps, args.n_gen)
+            if args.profile and "profile" not in res:
+                res["profile"] = trace_steps(engine, draft, prompt, sequence, rate_for_steps, args, log)
             row = dict(mode=mode, budget=budget, phases_ms=phases, step_ms=row["ms_per_step"],
                        step_over_ar=row["ms_per_step"] / ar_ms, accept_length=row["accept_length"],
                        tokens_per_s=row["tokens_per_s"], follows_sequence=row["follows_sequence"],
                        differs_from_ar_at=row["differs_from_ar_at"])
-            if not res["steps"]:
+            if not res["steps"] and phases is not None:
                 res["oracle_ms"] = oracle_ms(engine, args.iters)
             diff = row["differs_from_ar_at"]
             if diff is not None:  # a near-tie, or a break of exactness: the top-2 logit gap there tells which
@@ -522,8 +525,9 @@ def run(args: argparse.Namespace) -> None:
             at = "" if diff is None else f" (top-2 logit gap {row['margin_at_difference']['margin']:.2g})"
             log(f"{mode} {budget}: step {row['step_ms']:.2f} ms ({row['step_over_ar']:.2f} x AR), AL "
                 f"{row['accept_length']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
-                f"{'equal to AR' if diff is None else f'differs from AR at token {diff}{at}'}; phases " +
-                ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "verify_tokens"))
+                f"{'equal to AR' if diff is None else f'differs from AR at token {diff}{at}'}" +
+                ("" if phases is None else "; phases " +
+                 ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "verify_tokens")))
             save()
 
     finish(res, compiles, save, t_start)
@@ -545,6 +549,22 @@ def time_ar(args: argparse.Namespace, ar: Engine, prompt: list[int], floor_ms: f
     log(f"AR: {gen.steady_tokens_per_s:.1f} tok/s, step {ar_ms:.2f} ms, roofline {floor_ms:.2f} ms "
         f"({floor_ms / ar_ms:.2f}); TTFT {res['ar']['ttft_s']:.3f} s warm, {cold:.1f} s cold")
     return gen.tokens, ar_ms
+
+
+def trace_steps(engine: Engine, draft, prompt: list[int], sequence: list[int], error_rate: float,
+                args: argparse.Namespace, log) -> dict:
+    """A jax.profiler trace of 8 forced steps into args.profile, summarized per GPU (gpu_step_profile.summarize:
+    span, busy, idle, collectives, kernels by time)."""
+    engine.dparams = forced_params(engine, draft, len(prompt), sequence, error_rate)
+    tracer = StepTrace(args.profile, steps=8)
+    engine.generate(prompt, args.n_gen, NO_STOPS, on_tokens=tracer)
+    tracer.close()
+    out = {gpu: summarize(events, tracer.traced_steps, top=12)
+           for gpu, events in gpu_events_by_device(args.profile).items()}
+    log(f"profile of {tracer.traced_steps} {engine.ecfg.mode}-{engine.ecfg.budget} steps written to {args.profile}"
+        + "".join(f"; {gpu}: busy {r['busy_ms']:.2f} ms, collectives {r['collective_ms']:.2f} ms a step"
+                  for gpu, r in out.items() if r.get("kernels", 1)))
+    return out
 
 
 def finish(res: dict, compiles: CompileLog, save, t_start: float) -> None:
@@ -585,11 +605,13 @@ def summary(res: dict) -> str:
         lines.append(f"{'mode':>7} {'budget':>6} {'draft':>7} {'tree':>7} {'verify':>7} {'commit':>7} {'step':>7} "
                      f"{'x AR':>5} {'AL':>5} {'tok/s':>6}")
     for r in res.get("steps", []):
-        p = r["phases_ms"]
-        lines.append(f"{r['mode']:>7} {r['budget']:>6} {p['draft']:>7.2f} {p['tree']:>7.2f} {p['verify']:>7.2f} "
-                     f"{p['accept_commit']:>7.2f} {r['step_ms']:>7.2f} {r['step_over_ar']:>5.2f} "
+        p = r["phases_ms"] or {}
+        cols = " ".join(f"{p[k]:>7.2f}" if k in p else f"{'-':>7}" for k in ("draft", "tree", "verify",
+                                                                            "accept_commit"))
+        lines.append(f"{r['mode']:>7} {r['budget']:>6} {cols} {r['step_ms']:>7.2f} {r['step_over_ar']:>5.2f} "
                      f"{r['accept_length']:>5.2f} {r['tokens_per_s']:>6.1f}")
-    points = [(r["phases_ms"]["verify_tokens"], r["phases_ms"]["verify"]) for r in res.get("steps", [])]
+    points = [(r["phases_ms"]["verify_tokens"], r["phases_ms"]["verify"]) for r in res.get("steps", [])
+              if r["phases_ms"]]
     if points:
         fit = fit_verify_cost(points)
         n, tile = fit["n"], fit["tile"]
@@ -603,6 +625,10 @@ def summary(res: dict) -> str:
         lines.append(f"context {r['context']}: AR {r['ar_step_ms']:.2f} ms, DDTree-{r.get('budget', 22)} "
                      f"{r['ddtree_step_ms']:.2f} ms "
                      f"({r['ddtree_over_ar']:.2f} x), peak {r['memory'].get('peak_bytes_in_use', 0) / 2**30:.1f} GiB")
+    for gpu, r in res.get("profile", {}).items():
+        if r.get("kernels", 1):
+            lines.append(f"profile {gpu}: span {r['span_ms']:.2f} ms a step, busy {r['busy_ms']:.2f}, collectives "
+                         f"{r['collective_ms']:.2f} ({r['launches']:.0f} launches)")
     if "memory_after_max_ctx_runs" in res:
         peak = res["memory_after_max_ctx_runs"].get("peak_bytes_in_use", 0)
         lines.append(f"peak device memory through the {res['args']['max_ctx']}-token runs: {peak / 2**30:.1f} GiB")

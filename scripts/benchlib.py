@@ -144,17 +144,24 @@ def read_rate(gib: float = 4.0) -> float:
     return rate
 
 
-def gpu_events(trace_dir: str) -> list[tuple[str, int, int]]:
-    """(name, start ns, duration ns) of every event on the GPU streams of the trace under `trace_dir`."""
-    out = []
+def gpu_events_by_device(trace_dir: str) -> dict[str, list[tuple[str, int, int]]]:
+    """(name, start ns, duration ns) of every event on the GPU streams of the trace under `trace_dir`, by GPU (the
+    trace's plane name, e.g. /device:GPU:0)."""
+    out: dict[str, list[tuple[str, int, int]]] = {}
     for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
         for plane in jax.profiler.ProfileData.from_file(path).planes:
             if "GPU" not in plane.name:
                 continue
             for line in plane.lines:
                 if "Stream" in line.name:
-                    out += [(ev.name, ev.start_ns, ev.duration_ns) for ev in line.events]
+                    out.setdefault(plane.name, []).extend((ev.name, ev.start_ns, ev.duration_ns)
+                                                          for ev in line.events)
     return out
+
+
+def gpu_events(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start ns, duration ns) of every event on the GPU streams of the trace under `trace_dir`, every GPU's."""
+    return [ev for events in gpu_events_by_device(trace_dir).values() for ev in events]
 
 
 def traced_gpu_events(fn, *args, calls: int = 3) -> list[tuple[str, int, int]]:

@@ -25,6 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import add_engine_flags, engine_settings, environment, gpu_events  # noqa: E402
 
 
+def is_collective(kernel: str) -> bool:
+    """Whether a GPU kernel is a collective between devices (NCCL's kernels, XLA's all-reduce / all-gather)."""
+    k = kernel.lower().replace("-", "").replace("_", "")
+    return "nccl" in k or "allreduce" in k or "allgather" in k
+
+
 def summarize(events: list[tuple[str, int, int]], steps: int, top: int = 15) -> dict:
     """Per step: span, busy (the union of the kernels' intervals), idle, launches, and the `top` kernels by time."""
     if not events:
@@ -42,8 +48,9 @@ def summarize(events: list[tuple[str, int, int]], steps: int, top: int = 15) -> 
         time_by[name] += d
         count_by[name] += 1
     per = lambda ns: ns / 1e6 / steps  # noqa: E731  (ns over the trace -> ms per step)
+    collective = sum(d for name, _, d in events if is_collective(name))
     return {"steps": steps, "span_ms": per(span), "busy_ms": per(busy), "idle_ms": per(span - busy),
-            "launches": len(events) / steps,
+            "collective_ms": per(collective), "launches": len(events) / steps,
             "top": [{"name": n, "ms": per(t), "launches": count_by[n] / steps} for n, t in time_by.most_common(top)]}
 
 
@@ -54,7 +61,8 @@ def table(report: dict) -> str:
             lines.append(f"{mode}: no GPU kernel events in the trace")
             continue
         lines.append(f"{mode}: span {r['span_ms']:.2f}, busy {r['busy_ms']:.2f}, idle {r['idle_ms']:.2f} "
-                     f"({100 * r['idle_ms'] / r['span_ms']:.0f} %), {r['launches']:.0f} launches")
+                     f"({100 * r['idle_ms'] / r['span_ms']:.0f} %), collectives {r['collective_ms']:.2f}, "
+                     f"{r['launches']:.0f} launches")
         for k in r["top"]:
             lines.append(f"   {k['name'][:72]:72s} {k['ms']:7.3f} ms  x{k['launches']:5.1f}")
     return "\n".join(lines) + "\n"

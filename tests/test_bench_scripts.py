@@ -2,6 +2,8 @@
 they say; the verify-cost fits recover known lines."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -53,6 +55,24 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert again["steps"] == res["steps"] and again["forced"] == res["forced"] and again["ar"] == res["ar"]
     assert again["read_rate"] == res["read_rate"]
     assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
+
+
+def test_bench_times_a_sharded_step_whole(tmp_path):
+    """--devices 2 (two CPU devices, a process of its own): the steps row has the fused step's time and AR's tokens,
+    and no phases (phase timing takes one device's target)."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", "tiny", "--out", str(out),
+                           "--sections", "ar,steps", "--budgets", "4", "--no-chain", "--max_ctx", "256",
+                           "--prompt_len", "16", "--n_gen", "32", "--iters", "1", "--impl", "reference",
+                           "--step_error_rate", "0.2", "--devices", "2"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    step, = res["steps"]
+    assert res["devices"] == 2 and step["phases_ms"] is None and step["step_ms"] > 0
+    assert step["differs_from_ar_at"] is None and step["follows_sequence"]
+    assert " ddtree      4       -       -       -       - " in proc.stdout
 
 
 def test_prefix_cache_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
@@ -187,7 +207,11 @@ def test_gpu_step_profile_counts_busy_time_as_the_union_of_kernels():
     assert r["top"][0] == {"name": "a", "ms": 3.0, "launches": 1.0}
     assert summarize([], steps=8) == {"steps": 8, "kernels": 0}
     text = table({"device": "d", "jax": "j", "date": "t", "model": "m", "modes": {"ar": r, "ddtree": summarize([], 1)}})
-    assert "ar: span 6.00, busy 4.00, idle 2.00 (33 %), 2 launches" in text and "ddtree: no GPU kernel" in text
+    assert "ar: span 6.00, busy 4.00, idle 2.00 (33 %), collectives 0.00, 2 launches" in text
+    assert "ddtree: no GPU kernel" in text
+    nccl = summarize([("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0, 2 * ms), ("all-gather-start", 0, ms),
+                      ("fusion_12", 0, ms)], steps=1)
+    assert nccl["collective_ms"] == 3
 
 
 def test_qmatmul_sass_reads_the_kernel_ir_and_its_loops():
