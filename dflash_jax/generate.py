@@ -168,13 +168,17 @@ def default_jit_cache() -> str:
     return os.path.join(base, "dflash_jax", "jit")
 
 
-def enable_jit_cache(path: str) -> None:
-    """Keep JAX's compiled executables in path, so a second run skips compiling ("" leaves the cache off)."""
+JIT_CACHE_MIN_COMPILE_S = 0.5  # seconds: programs that compile faster are not kept (JAX's own default is 1 s)
+
+
+def enable_jit_cache(path: str, min_compile_s: float = JIT_CACHE_MIN_COMPILE_S) -> None:
+    """Keep JAX's compiled executables in path, so a second run skips compiling ("" leaves the cache off); only
+    programs that took at least min_compile_s to compile are kept."""
     import jax
 
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
 
 
 def check_profile_dir(path: str | None) -> None:

@@ -14,16 +14,20 @@ import jax
 STAGES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
           "/jax/core/compile/backend_compile_duration": "compile"}
+# JAX's events for a compile that looked in the persistent cache, and for one that found its program there
+CACHE_REQUEST, CACHE_HIT = "/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits"
 
 
 class CompileLog:
     """Records, while active (a context manager), the seconds each jitted function spent tracing, lowering and
-    compiling, and how many times it was compiled. A hit in the persistent cache shows up as a short compile."""
+    compiling, and how many times it was compiled. A hit in the persistent cache shows up as a short compile, and is
+    counted in `cache_hits` (of `cache_requests`: the compiles that looked in a persistent cache)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(STAGES.values(),
                                                                                                    0.0))
         self.compiles: collections.Counter = collections.Counter()
+        self.cache_hits = self.cache_requests = 0
 
     def _listen(self, event: str, secs: float, **kwargs) -> None:
         stage = STAGES.get(event)
@@ -36,12 +40,25 @@ class CompileLog:
         if stage == "compile":
             self.compiles[name] += 1
 
+    def _count(self, event: str, **kwargs) -> None:
+        self.cache_hits += event == CACHE_HIT
+        self.cache_requests += event == CACHE_REQUEST
+
     def __enter__(self) -> "CompileLog":
         jax.monitoring.register_event_duration_secs_listener(self._listen)
+        jax.monitoring.register_event_listener(self._count)
         return self
 
     def __exit__(self, *exc) -> None:
         jax.monitoring.unregister_event_duration_listener(self._listen)
+        jax.monitoring.unregister_event_listener(self._count)
+
+    def totals(self) -> dict:
+        """Everything recorded so far: compiles, trace_s, lower_s, compile_s (all functions), cache_hits,
+        cache_requests; the difference of two totals is what happened between them."""
+        return dict(compiles=sum(self.compiles.values()),
+                    **{f"{k}_s": sum(s[k] for s in self.seconds.values()) for k in STAGES.values()},
+                    cache_hits=self.cache_hits, cache_requests=self.cache_requests)
 
     def rows(self) -> list[dict]:
         """One dict per compiled function (name, compiles, trace_s, lower_s, compile_s), slowest first."""

@@ -29,7 +29,10 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,13 +49,14 @@ from exactness import margin  # noqa: E402
 from gpu_step_profile import summarize  # noqa: E402
 
 from dflash_jax import kv_quant as kvq  # noqa: E402
-from dflash_jax.config import MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig  # noqa: E402
+from dflash_jax.config import (MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig,  # noqa: E402
+                               check_prefill_chunk)
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.sampling import GREEDY  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
-from dflash_jax.generate import kv_cache_words  # noqa: E402
+from dflash_jax.generate import JIT_CACHE_MIN_COMPILE_S, enable_jit_cache, fit_max_ctx, kv_cache_words  # noqa: E402
 from dflash_jax.parallel import load_layout, parallel_config, split_target  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
@@ -310,31 +314,37 @@ def oracle_ms(engine: Engine, iters: int) -> float:
     return 1e3 * stateless_seconds(fn, engine.dparams["sequence"], jnp.int32(100), jnp.float32(0.1), iters=iters)
 
 
-SECTIONS = ("ar", "forced", "long", "steps", "compiled_memory")
+SECTIONS = ("ar", "forced", "long", "steps", "compiled_memory")  # the default run
+# on request: prompt lengths x prefill chunk sizes; a fresh process's TTFT with an empty and a warm compilation cache;
+# and one such process's own measure (what `ttft` starts)
+MORE_SECTIONS = ("prefill", "ttft", "first_token")
 
 
 def merge(parts: list[str]) -> dict:
     """One results dict from several runs' files, each as FILE:SECTION[+SECTION...] (sections: forced, long,
-    steps, memory); the first file also gives the device, copy rate, models and AR figures. Step rows of later
-    files replace earlier rows of the same mode and budget. Every file is listed under "sources"."""
+    steps, memory, prefill, ttft, ...); the first file also gives the device, copy rate, models and AR figures (those
+    it has). Step rows of later files replace earlier rows of the same mode and budget, prefill rows those of the same
+    chunk and prompt length. Every file is listed under "sources"."""
     out: dict = {}
     rows: dict = {}
+    prefill: dict = {}
     for part in parts:
         path, _, names = part.partition(":")
         run = json.loads(Path(path).read_text())
         if not out:
-            out = {k: run[k] for k in ("device", "backend", "jax", "python", "date", "model", "copy_rate", "models",
-                                       "ar")}
-            if "read_rate" in run:
-                out["read_rate"] = run["read_rate"]
+            out = {k: run[k] for k in ("device", "backend", "jax", "python", "date", "model", "copy_rate", "read_rate",
+                                       "models", "ar") if k in run}
             out["sources"], out["compile"] = [], {}
         out["sources"].append(dict(file=Path(path).name, date=run["date"], sections=names.split("+"),
-                                   ar_tokens_per_s=run.get("ar", {}).get("tokens_per_s"), copy_rate=run["copy_rate"]))
+                                   ar_tokens_per_s=run.get("ar", {}).get("tokens_per_s"),
+                                   copy_rate=run.get("copy_rate")))
         out["compile"][Path(path).name] = run.get("compile", [])
         for name in names.split("+"):
             if name == "steps":
                 rows.update({(r["mode"], r["budget"]): r for r in run["steps"]})
                 out["step_error_rate"], out["oracle_ms"] = run["step_error_rate"], run.get("oracle_ms")
+            elif name == "prefill":
+                prefill.update({(r["chunk"], r["prompt_len"]): r for r in run["prefill"]})
             elif name == "memory":
                 out["memory_after_max_ctx_runs"] = run["memory_after_max_ctx_runs"]
             elif name == "forced":
@@ -342,8 +352,21 @@ def merge(parts: list[str]) -> dict:
             else:
                 out[name] = run[name]
     out["steps"] = sorted(rows.values(), key=lambda r: (r["mode"] != "ddtree", r["budget"]))
+    if prefill:
+        out["prefill"] = [prefill[k] for k in sorted(prefill)]
     out["args"] = {"max_ctx": 4096, "merged": parts}
     return out
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """A comma-separated list of positive integers, or SystemExit naming the flag."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag} {text!r}: expected comma-separated positive integers")
+    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -353,7 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--merge", nargs="+", default=None, metavar="FILE:SECTIONS",
                     help="write one results file from earlier runs' files instead of running (see merge())")
     ap.add_argument("--model", choices=["27b", "tiny"], default="27b")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"any of {', '.join(SECTIONS + MORE_SECTIONS)} (default: {', '.join(SECTIONS)})")
     ap.add_argument("--budgets", default="22,4,8,16,32,48,63")
     ap.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True, help="time the chain too")
     ap.add_argument("--als", default="4,6.14,7.04,8.31,12", help="acceptance lengths for the forced runs")
@@ -372,27 +396,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--devices", default="1", help="local devices to split the target over, tensor-parallel (a count, "
                     "or 'all'), as generate's --devices")
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree steps here")
+    ap.add_argument("--prefill_lens", default="512,8192,32768", help="prompt lengths of the prefill section")
+    ap.add_argument("--prefill_chunks", default=None,
+                    help="prefill chunk sizes of the prefill section, comma-separated multiples of 64 (default: the "
+                         "engine's, --prefill_chunk)")
+    ap.add_argument("--prefill_calls", type=int, default=3, help="warm calls per prefill row (median)")
+    ap.add_argument("--jit_cache", default="", help="JAX's persistent compilation cache for this run, as generate's "
+                    "--jit_cache (default: off); the ttft section's processes each get one of their own")
+    ap.add_argument("--jit_cache_min_s", type=float, default=JIT_CACHE_MIN_COMPILE_S,
+                    help="programs compiled faster than this are not kept in --jit_cache (default: generate's)")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
     add_engine_flags(ap)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse_args(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    run(parse_args(argv), argv)
 
 
-def run(args: argparse.Namespace) -> None:
-    """The sections `args` asks for (see main)."""
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    """The sections `args` asks for (see main); `argv`, the flags `args` came from, are passed on to the processes
+    the ttft section starts."""
     if args.merge:
         res = merge(args.merge)
         args.out.write_text(json.dumps(res, indent=1, default=float))
         args.out.with_suffix(".txt").write_text(summary(res) + "\n")
         print(summary(res))
         return
+    clock_at_start = time.time()
     sections = set(args.sections.split(","))
+    unknown = sections - set(SECTIONS + MORE_SECTIONS)
+    if unknown:
+        raise SystemExit(f"--sections: unknown {', '.join(sorted(unknown))} (any of "
+                         f"{', '.join(SECTIONS + MORE_SECTIONS)})")
+    lens, chunks = int_list(args.prefill_lens, "--prefill_lens"), None
+    if args.prefill_chunks is not None:
+        chunks = [check_prefill_chunk(c) for c in int_list(args.prefill_chunks, "--prefill_chunks")]
+    if args.prefill_calls < 1:
+        raise SystemExit(f"--prefill_calls {args.prefill_calls}: at least one warm call is needed")
     t_start = time.perf_counter()
     over = lambda: args.time_limit and time.perf_counter() - t_start > args.time_limit  # noqa: E731
-    res: dict = {**environment(), "model": args.model, "args": vars(args) | {"out": str(args.out)}}
+    res: dict = {"model": args.model, "args": vars(args) | {"out": str(args.out)}}
 
     def save():
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -401,10 +446,19 @@ def run(args: argparse.Namespace) -> None:
     def log(msg):
         print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", flush=True)
 
+    enable_jit_cache(args.jit_cache, args.jit_cache_min_s)
     compiles = CompileLog().__enter__()
+    if "ttft" in sections:  # first: JAX takes most of a GPU's memory in the first process that uses it
+        res["ttft"] = cold_ttft(argv, log)
+    res = {**environment(), **res}
+    save()
+    if sections <= {"ttft"}:
+        return finish(res, compiles, save, t_start)
     gpu = jax.default_backend() == "gpu"
-    res["copy_rate"], res["read_rate"] = copy_rate(1.0 if gpu else 0.125), read_rate(4.0 if gpu else 0.125)
-    log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s (read + write), read stream {res['read_rate'] / 1e9:.0f} GB/s")
+    if sections - {"first_token"}:  # a fresh process's time to first token is timed without them
+        res["copy_rate"], res["read_rate"] = copy_rate(1.0 if gpu else 0.125), read_rate(4.0 if gpu else 0.125)
+        log(f"copy rate {res['copy_rate'] / 1e9:.0f} GB/s (read + write), read stream "
+            f"{res['read_rate'] / 1e9:.0f} GB/s")
     base, kcfg = engine_settings(args)  # what `generate` runs with the same flags (a DDTree; AR rows below)
     res["engine"], res["kernels"] = dataclasses.asdict(base), dataclasses.asdict(kcfg)
     log(f"{kcfg.describe()}; {kv_cache_words(base)}, DDTree budget {base.budget}")
@@ -423,7 +477,13 @@ def run(args: argparse.Namespace) -> None:
     save()
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, target.config.vocab_size, args.prompt_len).tolist()
-    floor_ms = 1e3 * info["step_weight_bytes"] / res["read_rate"]  # the weights read once at the read-stream rate
+    if "first_token" in sections:
+        res["first_token"] = first_token(build(target, draft, dataclasses.replace(base, mode="ar")), prompt, compiles,
+                                         info["make_s"], clock_at_start)
+        log(f"first token: TTFT {res['first_token']['ttft_s']:.2f} s after {info['make_s']:.1f} s of model build")
+        save()
+    # the weights read once at the read-stream rate
+    floor_ms = 1e3 * info["step_weight_bytes"] / res["read_rate"] if "read_rate" in res else None
 
     # What the compiled steps need beside their arguments (XLA's buffer assignment): the engine's working memory
     if "compiled_memory" in sections:
@@ -440,8 +500,6 @@ def run(args: argparse.Namespace) -> None:
                     f"{row['temp_bytes'] / 2**20:.0f} MiB")
                 del state
         save()
-    if not sections & {"ar", "forced", "steps", "long"}:
-        return finish(res, compiles, save, t_start)
     if sections & {"ar", "forced", "steps"}:  # the forced runs follow the AR's greedy continuation
         sequence, ar_ms = time_ar(args, build(target, draft, dataclasses.replace(base, mode="ar")), prompt,
                                   floor_ms, res, log)
@@ -468,7 +526,8 @@ def run(args: argparse.Namespace) -> None:
         if args.profile:
             res["profile"] = trace_steps(engine, draft, prompt, sequence, rate_for_steps, args, log)
 
-    res["memory_after_max_ctx_runs"] = memory()
+    if sections & {"ar", "forced", "steps", "long"}:
+        res["memory_after_max_ctx_runs"] = memory()
 
     # Long contexts: AR and DDTree-22 steps over a committed cache of random keys and values
     if "long" in sections:
@@ -530,6 +589,24 @@ def run(args: argparse.Namespace) -> None:
                  ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "verify_tokens")))
             save()
 
+    # Prefill at each prompt length and chunk size: an AR engine per chunk size, its context fitting the longest
+    if "prefill" in sections:
+        res["prefill"] = []
+        ctx = fit_max_ctx(0, max(lens), 2)
+        rows = [(chunk, length) for chunk in chunks or [base.prefill_chunk] for length in lens]
+        engine = None
+        for chunk, length in rows:
+            if over():
+                log(f"time limit: skipping {len(rows) - len(res['prefill'])} prefill rows")
+                break
+            if engine is None or engine.ecfg.prefill_chunk != chunk:
+                engine = build(target, draft, dataclasses.replace(base, mode="ar", max_ctx=ctx, prefill_chunk=chunk))
+            row = time_prefill(engine, rng.integers(0, target.config.vocab_size, length).tolist(),
+                               args.prefill_calls, compiles)
+            res["prefill"].append(row)
+            log(prefill_line(row))
+            save()
+
     finish(res, compiles, save, t_start)
 
 
@@ -549,6 +626,99 @@ def time_ar(args: argparse.Namespace, ar: Engine, prompt: list[int], floor_ms: f
     log(f"AR: {gen.steady_tokens_per_s:.1f} tok/s, step {ar_ms:.2f} ms, roofline {floor_ms:.2f} ms "
         f"({floor_ms / ar_ms:.2f}); TTFT {res['ar']['ttft_s']:.3f} s warm, {cold:.1f} s cold")
     return gen.tokens, ar_ms
+
+
+def first_generation(engine: Engine, prompt: list[int], compiles: CompileLog):
+    """`generate` of the prompt and 2 tokens (prefill, first token, one step), and what compiled during it: the
+    differences of compiles.totals() (compiles, trace/lower/compile seconds, persistent-cache hits and requests)."""
+    before = compiles.totals()
+    gen = engine.generate(prompt, 2, NO_STOPS)
+    after = compiles.totals()
+    return gen, {k: after[k] - before[k] for k in after}
+
+
+def time_prefill(engine: Engine, prompt: list[int], calls: int, compiles: CompileLog) -> dict:
+    """One prefill row: the prompt through `generate` (prefill, first token, one step: TTFT = prefill + first step, as
+    time_ar's) once as it comes (an engine's first call compiles: `first_compiles` and `first_compile_s`, trace +
+    lower + compile, say how much), then `calls` times warm (medians); tok/s of the warm prefill; XLA's memory
+    analysis of the compiled prefill chunk and the device's memory after the row."""
+    gen, compiled = first_generation(engine, prompt, compiles)
+    row = dict(chunk=engine.ecfg.prefill_chunk, prompt_len=len(prompt), max_ctx=engine.ecfg.max_ctx, calls=calls,
+               first_prefill_s=gen.prefill_s, first_ttft_s=gen.prefill_s + gen.first_step_s,
+               first_compiles=compiled["compiles"],
+               first_compile_s=compiled["trace_s"] + compiled["lower_s"] + compiled["compile_s"])
+    warm = []
+    for _ in range(calls):
+        gen = None  # the last state freed before the next is made, as in a user's process
+        gen = engine.generate(prompt, 2, NO_STOPS)
+        warm.append((gen.prefill_s, gen.prefill_s + gen.first_step_s))
+    row["prefill_s"], row["ttft_s"] = (float(x) for x in np.median(warm, axis=0))
+    row["tokens_per_s"] = len(prompt) / row["prefill_s"]
+    # the compiled chunk of the engine's prefill (the program its calls ran, found in jax's cache: no compile)
+    split, chunk = engine.tsplit, engine.ecfg.prefill_chunk
+    m = compiled_memory(split.chunk, split.weights, engine.tcfg, gen.state.target, jnp.zeros(chunk, jnp.int32),
+                        jnp.int32(chunk), (), False, kcfg=engine.kcfg)
+    del gen
+    # everything a chunk's call holds: its arguments (weights, state), outputs not written in place, temporaries
+    row.update(chunk_memory=m, chunk_peak_bytes=m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"] +
+               m["temp_bytes"], state_bytes=engine.state_bytes(), memory=memory())
+    return row
+
+
+def prefill_line(r: dict) -> str:
+    """A prefill row in words (the run's log)."""
+    peak = r["memory"].get("peak_bytes_in_use")
+    return (f"prefill, chunk {r['chunk']}, {r['prompt_len']} tokens: {r['tokens_per_s']:.0f} tok/s, prefill "
+            f"{r['prefill_s']:.3f} s, TTFT {r['ttft_s']:.3f} s warm; first call {r['first_ttft_s']:.2f} s "
+            f"({r['first_compiles']} compiles, {r['first_compile_s']:.1f} s); temporaries "
+            f"{r['chunk_memory']['temp_bytes'] / 2**20:.0f} MiB, the chunk's call "
+            f"{r['chunk_peak_bytes'] / 2**30:.2f} GiB"
+            + ("" if peak is None else f", device peak so far {peak / 2**30:.2f} GiB"))
+
+
+def first_token(ar: Engine, prompt: list[int], compiles: CompileLog, build_s: float, clock_at_start: float) -> dict:
+    """This process's first AR generation of the prompt (`first_generation`): TTFT (prefill + first step, as
+    time_ar's), what compiled in it, the model build's seconds, and the wall clock (time.time) at run's start and at
+    the first step's token, for `cold_ttft`."""
+    clock = time.time()
+    gen, compiled = first_generation(ar, prompt, compiles)
+    ttft = gen.prefill_s + gen.first_step_s
+    return dict(prompt_len=len(prompt), ttft_s=ttft, prefill_s=gen.prefill_s, build_s=build_s, **compiled,
+                clock_at_start=clock_at_start, clock_at_token=clock + ttft)
+
+
+def cold_ttft(argv: list[str], log) -> list[dict]:
+    """AR time to first token in two fresh processes of this script (its flags `argv`, the sections first_token),
+    sharing a new persistent compilation cache (`--jit_cache`, set as generate sets its own): the first starts with
+    it empty, the second with what the first wrote. Each row is the process's `first_token` with the seconds from
+    its launch to run's start (interpreter, imports) and from its launch to the first token less its model build (the
+    synthetic model is made on the device, where a user's process reads a GGUF)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_ttft_") as tmp:
+        for cache in ("empty", "warm"):
+            out = Path(tmp) / f"{cache}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--sections", "first_token", "--out",
+                   str(out), "--jit_cache", os.path.join(tmp, "jit")]  # the last of a repeated flag counts
+            launched = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"the {cache}-cache process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            child = json.loads(out.read_text())["first_token"]
+            rows.append(dict(cache=cache, **child, start_s=child["clock_at_start"] - launched,
+                             to_token_less_build_s=child["clock_at_token"] - launched - child["build_s"]))
+            log(ttft_line(rows[-1]))
+    return rows
+
+
+def ttft_line(r: dict) -> str:
+    """A fresh process's time to first token in words (`cold_ttft`'s rows; `first_token`'s without the cache and the
+    launch)."""
+    where = f", {r['cache']} cache" if "cache" in r else ""
+    launch = (f"; launch to first token {r['to_token_less_build_s']:.1f} s less the model build"
+              if "to_token_less_build_s" in r else "")
+    return (f"TTFT of a fresh process{where}: {r['ttft_s']:.2f} s ({r['prompt_len']} tokens; trace "
+            f"{r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s over {r['compiles']} "
+            f"programs, {r['cache_hits']} found in the cache){launch}; model build {r['build_s']:.1f} s")
 
 
 def trace_steps(engine: Engine, draft, prompt: list[int], sequence: list[int], error_rate: float,
@@ -577,10 +747,10 @@ def finish(res: dict, compiles: CompileLog, save, t_start: float) -> None:
     print(summary(res))
 
 
-def compiled_memory(jitted, *args) -> dict:
+def compiled_memory(jitted, *args, **kwargs) -> dict:
     """XLA's memory analysis of a jitted function compiled for these arguments: bytes of arguments, outputs,
     outputs aliased to (donated) arguments, and temporaries."""
-    m = jitted.lower(*args).compile().memory_analysis()
+    m = jitted.lower(*args, **kwargs).compile().memory_analysis()
     return dict(argument_bytes=int(m.argument_size_in_bytes), output_bytes=int(m.output_size_in_bytes),
                 alias_bytes=int(m.alias_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes))
 
@@ -591,8 +761,24 @@ def summary(res: dict) -> str:
     for r in res.get("compiled_memory", []):
         lines.append(f"compiled {r['mode']} step, context {r['context']}: state {r['state_bytes'] / 2**20:.0f} MiB, "
                      f"temporaries {r['temp_bytes'] / 2**20:.0f} MiB")
-    if not {"ar", "long"} & set(res):
-        return "\n".join(lines)
+    if {"ar", "long"} & set(res):
+        lines += decode_summary(res)
+    if res.get("prefill"):
+        lines.append(f"{'prefill':<8} {'chunk':>6} {'tokens':>7} {'tok/s':>8} {'prefill s':>9} {'TTFT s':>8} "
+                     f"{'1st call s':>10} {'compiles':>8} {'chunk GiB':>9} {'peak GiB':>8}")
+    for r in res.get("prefill", []):
+        peak = r["memory"].get("peak_bytes_in_use")
+        lines.append(f"{'':<8} {r['chunk']:>6} {r['prompt_len']:>7} {r['tokens_per_s']:>8.1f} {r['prefill_s']:>9.3f} "
+                     f"{r['ttft_s']:>8.3f} {r['first_ttft_s']:>10.2f} {r['first_compiles']:>8} "
+                     f"{r['chunk_peak_bytes'] / 2**30:>9.2f} " + (f"{'-':>8}" if peak is None else
+                                                                  f"{peak / 2**30:>8.2f}"))
+    lines += [ttft_line(r) for r in res.get("ttft", []) + ([res["first_token"]] if "first_token" in res else [])]
+    return "\n".join(lines)
+
+
+def decode_summary(res: dict) -> list[str]:
+    """The summary's lines of the decode sections (ar, forced, steps, long, profile)."""
+    lines = []
     read = f"; read {res['read_rate'] / 1e9:.0f} GB/s" if "read_rate" in res else ""
     lines.append(f"{res['device']} jax {res['jax']} {res['date']}; copy {res['copy_rate'] / 1e9:.0f} GB/s{read}; model "
                  f"{res['model']} ({res['models']['step_weight_bytes'] / 1e9:.2f} GB streamed per step)")
@@ -632,7 +818,7 @@ def summary(res: dict) -> str:
     if "memory_after_max_ctx_runs" in res:
         peak = res["memory_after_max_ctx_runs"].get("peak_bytes_in_use", 0)
         lines.append(f"peak device memory through the {res['args']['max_ctx']}-token runs: {peak / 2**30:.1f} GiB")
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -57,6 +57,69 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
 
 
+def test_bench_prefill_and_ttft_on_the_tiny_synthetic_pair(tmp_path, capsys):
+    """`--sections ttft,prefill`: a row per chunk size and prompt length, the first call of each chunk size compiling
+    (its prefill chunk once: the memory analysis finds the program compiled) and the second length nothing; two fresh
+    processes' TTFT, the one with the cache the first wrote finding every program there; --merge keeps the rows."""
+    import bench
+
+    out = tmp_path / "bench.json"
+    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "ttft,prefill", "--prefill_lens", "16,300",
+                       "--prefill_chunks", "64,128", "--prefill_calls", "2", "--prompt_len", "16", "--max_ctx", "256",
+                       "--impl", "reference", "--jit_cache_min_s", "0"])  # every program kept: the test's CPU is fast
+    res = json.loads(out.read_text())
+    rows = res["prefill"]
+    # one context for all, fitting the longest prompt (a size no other test's engine has: the first calls compile)
+    assert [(r["chunk"], r["prompt_len"], r["max_ctx"]) for r in rows] == [(64, 16, 512), (64, 300, 512),
+                                                                          (128, 16, 512), (128, 300, 512)]
+    assert all(r["tokens_per_s"] == pytest.approx(r["prompt_len"] / r["prefill_s"]) for r in rows)
+    assert all(0 < r["prefill_s"] < r["ttft_s"] and r["first_prefill_s"] < r["first_ttft_s"] for r in rows)
+    assert [r["first_compiles"] > 0 for r in rows] == [True, False, True, False]
+    assert [r["first_compile_s"] > 0 for r in rows] == [True, False, True, False]
+    assert sum(r["compiles"] for r in res["compile"] if r["name"] == "jit(chunk)") == 2
+    for r in rows:  # the chunk's call holds the weights and the state (donated: written in place) and temporaries
+        m = r["chunk_memory"]
+        assert m["alias_bytes"] == r["state_bytes"] > 0 and m["temp_bytes"] > 0
+        assert r["chunk_peak_bytes"] == m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"] + m["temp_bytes"]
+        assert m["argument_bytes"] > res["models"]["target_device_bytes"] + r["state_bytes"]
+        assert r["memory"] == {}  # a CPU reports no device memory
+    assert rows[0]["chunk_memory"]["temp_bytes"] < rows[2]["chunk_memory"]["temp_bytes"]  # twice the rows
+    empty, warm = res["ttft"]
+    assert (empty["cache"], warm["cache"]) == ("empty", "warm")
+    for r in (empty, warm):
+        assert r["prompt_len"] == 16 and 0 < r["prefill_s"] < r["ttft_s"] and r["build_s"] > 0
+        assert 0 < r["start_s"] and r["ttft_s"] < r["to_token_less_build_s"]
+        assert r["compiles"] == r["cache_requests"] > 0
+    assert empty["cache_hits"] == 0 and warm["cache_hits"] == warm["compiles"] == empty["compiles"]
+    assert warm["compile_s"] < empty["compile_s"]
+    printed = capsys.readouterr().out
+    assert "prefill   chunk  tokens    tok/s" in printed and "TTFT of a fresh process, warm cache" in printed
+    merged = tmp_path / "merged.json"
+    run_script(bench, ["--out", str(merged), "--merge", f"{out}:prefill+ttft", f"{out}:prefill"])
+    again = json.loads(merged.read_text())
+    assert again["prefill"] == rows and again["ttft"] == res["ttft"] and "ar" not in again
+    assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
+
+
+def test_bench_refuses_bad_prefill_flags(tmp_path):
+    """Unknown sections, prompt lengths that are not positive integers, chunks that are not multiples of 64 and no
+    warm calls are refused before anything runs."""
+    import bench
+
+    from dflash_jax.config import ConfigError
+
+    out = ["--model", "tiny", "--out", str(tmp_path / "x.json")]
+    with pytest.raises(SystemExit, match="unknown prefil"):
+        run_script(bench, out + ["--sections", "prefil"])
+    with pytest.raises(SystemExit, match="--prefill_lens '512,0'"):
+        run_script(bench, out + ["--sections", "prefill", "--prefill_lens", "512,0"])
+    with pytest.raises(ConfigError, match="prefill_chunk 100 must be a positive multiple of 64"):
+        run_script(bench, out + ["--sections", "prefill", "--prefill_chunks", "64,100"])
+    with pytest.raises(SystemExit, match="--prefill_calls 0"):
+        run_script(bench, out + ["--sections", "prefill", "--prefill_calls", "0"])
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_bench_times_a_sharded_step_whole(tmp_path):
     """--devices 2 (two CPU devices, a process of its own): the steps row has the fused step's time and AR's tokens,
     and no phases (phase timing takes one device's target)."""
