@@ -245,6 +245,11 @@ class EngineConfig:
         """Whether the DDTree starts from the top-1 chain, for a draft of `depth` rows."""
         return self.chain_seed if self.chain_seed is not None else self.budget > depth
 
+    def step_config(self) -> "EngineConfig":
+        """This configuration as the decode step sees it: the prefill chunk, which the step does not read, at its
+        default, so engines that differ only there share one jitted (and compiled) step."""
+        return dataclasses.replace(self, prefill_chunk=PREFILL_BLOCK)
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:

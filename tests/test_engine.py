@@ -126,6 +126,16 @@ def test_one_compilation_per_mode_for_any_prompt_length(tparams, greedy, mode):
     assert engine.step._cache_size() == 1 and engine.tsplit.chunk._cache_size() >= 1
 
 
+def test_engines_that_differ_only_in_their_prefill_chunk_share_one_step(tparams, greedy):
+    """The step does not read the prefill chunk: a second engine with another chunk reuses the first's jitted (and
+    compiled) step, and emits the same tokens."""
+    a = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX))
+    b = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX, prefill_chunk=128))
+    assert a.step is b.step and a.tsplit.chunk is not None
+    assert run_oracle(a, 3, greedy[3]).tokens == run_oracle(b, 3, greedy[3]).tokens == greedy[3]
+    assert b.step._cache_size() == 1
+
+
 def test_stop_token_and_n_gen_cut_a_commit_mid_path(tparams, greedy):
     seed = next(s for s in SEEDS if STOP not in greedy[s][:1])
     ref = greedy[seed]

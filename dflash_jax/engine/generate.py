@@ -115,7 +115,7 @@ class Engine:
         # new params of the same graph (an oracle's sequence) reuse the compiled functions
         self.dgraph, self.dweights = split_weights(dparams)
         self.dweights = self.tsplit.replicated(self.dweights)
-        self.step = make_step(self.tcfg, self.drafter, self.ecfg, self.tgraph, self.dgraph, self.kcfg, self.parallel)
+        self.step = make_step(self.tcfg, self.drafter, self.ecfg.step_config(), self.tgraph, self.dgraph, self.kcfg, self.parallel)
         self.extend = extend_function(self.drafter, self.dgraph) if self.drafter else None
 
     @classmethod
