@@ -251,24 +251,16 @@ def quantize(rows: jax.Array, kind: str) -> KVBlocks:
 # ---------------------------------------------------------------------------------------------------------------
 # Dequantizers: fields -> float32 rows
 
-def _level(c: jax.Array) -> jax.Array:
-    """LEVELS[c] by selects of scalars (no table: see _signs)."""
+def _level(c: jax.Array, levels: np.ndarray) -> jax.Array:
+    """levels[c] of a codebook symmetric about zero (levels[n - 1 - i] = -levels[i]), by selects of scalars (no
+    table: see _signs)."""
+    half = len(levels) // 2
     c = c.astype(jnp.int32)
-    up = c >= 4
-    m = jnp.where(up, c - 4, 3 - c)  # 0..3 from the middle out
-    upper = [float(v) for v in LEVELS[4:]]
-    mag = jnp.where(m == 0, upper[0], jnp.where(m == 1, upper[1], jnp.where(m == 2, upper[2], upper[3])))
-    return jnp.where(up, mag, -mag)
-
-
-def _level4(c: jax.Array) -> jax.Array:
-    """LEVELS4[c] by selects of scalars (no table: see _signs)."""
-    c = c.astype(jnp.int32)
-    up = c >= 8
-    m = jnp.where(up, c - 8, 7 - c)  # 0..7 from the middle out
-    mag = jnp.full(c.shape, float(LEVELS4[15]), jnp.float32)
-    for k in range(6, -1, -1):
-        mag = jnp.where(m == k, float(LEVELS4[8 + k]), mag)
+    up = c >= half
+    m = jnp.where(up, c - half, half - 1 - c)  # 0 .. half - 1 from the middle out
+    mag = jnp.full(c.shape, float(levels[-1]), jnp.float32)
+    for k in range(half - 2, -1, -1):
+        mag = jnp.where(m == k, float(levels[half + k]), mag)
     return jnp.where(up, mag, -mag)
 
 
@@ -286,13 +278,13 @@ def block_values(kind: str, data: dict[str, jax.Array]) -> jax.Array:
     """The float32 values [..., nb, 32] of a block type's fields, each [..., nb, count], in the rotated domain for a
     rotated type (every value d * code, exact in float32). Also the tree-attention kernel's decode of a tile."""
     if kind == "rq4_0":
-        return _e5m3(data["d"]) * _level4(_codes(data["qs"], 4))
+        return _e5m3(data["d"]) * _level(_codes(data["qs"], 4), LEVELS4)
     d = data["d"].astype(jnp.float32)
     if kind == "q8_0":
         return d * data["qs"].astype(jnp.float32)
     if kind == "q4_0":
         return d * (_codes(data["qs"], 4) - 8).astype(jnp.float32)
-    return d * _level(_codes(data["qs"], 2) | (_codes(data["qh"], 1) << 2))
+    return d * _level(_codes(data["qs"], 2) | (_codes(data["qh"], 1) << 2), LEVELS)
 
 
 def rotate_query(q: jax.Array) -> jax.Array:
