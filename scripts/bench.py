@@ -54,6 +54,7 @@ from dflash_jax.config import (MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, Kern
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.sampling import GREEDY  # noqa: E402
+from dflash_jax.engine.state import tree_bytes  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.generate import JIT_CACHE_MIN_COMPILE_S, enable_jit_cache, fit_max_ctx, kv_cache_words  # noqa: E402
@@ -95,8 +96,8 @@ def make_models(kind: str, kcfg: KernelConfig, log=print, target_kcfg: KernelCon
     matrices = {n: b for n, b in stored.items() if n != "token_embd.weight" and specs[n].kind != "dense"}
     info = dict(make_s=time.perf_counter() - t0, target_gguf_bytes=sum(stored.values()),
                 step_weight_bytes=sum(matrices.values()),
-                target_device_bytes=synthetic.tree_bytes(target),
-                draft_device_bytes=synthetic.tree_bytes(draft))
+                target_device_bytes=tree_bytes(target),
+                draft_device_bytes=tree_bytes(draft))
     return target, draft, info
 
 
@@ -492,7 +493,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
             for mode in ("ar", "ddtree"):
                 engine = build(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, _ = engine.start(prompt, ctx - len(prompt), NO_STOPS)
-                row = dict(context=ctx, mode=mode, state_bytes=synthetic.tree_bytes(state),
+                row = dict(context=ctx, mode=mode, state_bytes=tree_bytes(state),
                            **compiled_memory(engine.step, engine.tweights, engine.dweights, state,
                                              engine.stop_array(())))
                 res["compiled_memory"].append(row)
@@ -540,7 +541,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
             for mode in ("ar", "ddtree"):
                 engine = build(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
-                row[f"{mode}_state_bytes"] = synthetic.tree_bytes(state)
+                row[f"{mode}_state_bytes"] = tree_bytes(state)
                 if mode == "ddtree" and args.long_phases:
                     row["phases_ms"] = phase_times(engine, fake_context(state, length), args.iters)
                     state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)

@@ -26,6 +26,7 @@ from benchlib import environment  # noqa: E402
 from dflash_jax.config import KV_TYPES, MAX_TREE_NODES, load_draft_config, load_target_config  # noqa: E402
 from dflash_jax.models.draft import init_draft_state  # noqa: E402
 from dflash_jax.models.target import init_state  # noqa: E402
+from dflash_jax.engine.state import tree_bytes  # noqa: E402
 from dflash_jax.testing.synthetic import DRAFT_27B, TARGET_27B  # noqa: E402
 from dflash_jax.testing.tiny import CONFIG_DIR  # noqa: E402
 
@@ -33,16 +34,12 @@ DRAFTERS = {"3.5 (5 full)": DRAFT_27B, "3.6 (4 SWA + 1 full)": str(Path(CONFIG_D
 MIB = 2**20
 
 
-def nbytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def parts(tcfg, dcfg, ctx: int, kv_type: str, draft_ctx: int | None) -> dict[str, int]:
     """Bytes of each part of the state for a context of ctx tokens (K and V both of kv_type)."""
     target = jax.eval_shape(lambda: init_state(tcfg, ctx + MAX_TREE_NODES, kv_type))
     draft = jax.eval_shape(lambda: init_draft_state(dcfg, ctx, (kv_type, kv_type), draft_ctx))
-    return {"target_kv": nbytes((target.k, target.v)), "gdn": nbytes((target.conv, target.ssm)),
-            "drafter": nbytes((draft.k, draft.v))}
+    return {"target_kv": tree_bytes((target.k, target.v)), "gdn": tree_bytes((target.conv, target.ssm)),
+            "drafter": tree_bytes((draft.k, draft.v))}
 
 
 def growth(tcfg, dcfg, ctx: int, kv_type: str, draft_ctx: int | None) -> dict[str, tuple[float, float]]:

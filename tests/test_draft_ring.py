@@ -186,7 +186,7 @@ def test_a_snapshot_of_rings_restores_them_and_pages_only_their_slots(engines):
 def test_a_ring_is_written_in_place(tparams):
     """The context extension's compiled call aliases a ring state whole (both copies of each row go in by one scatter
     into the donated cache), with temporaries well below it."""
-    from dflash_jax.testing.synthetic import tree_bytes
+    from dflash_jax.engine.state import tree_bytes
 
     cfg = tiny_draft_config(TCFG, ("full_attention",) * 4, block_size=8, taps=(0, 2))
     cfg = dataclasses.replace(cfg, num_heads=4, num_kv_heads=4, head_dim=128)

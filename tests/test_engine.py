@@ -14,7 +14,7 @@ from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models.target import init_state
 from dflash_jax.testing.oracle import OracleDrafter
-from dflash_jax.testing.synthetic import tree_bytes
+from dflash_jax.engine.state import tree_bytes
 from dflash_jax.testing.tiny import random_draft, random_target, tiny_draft_config, tiny_target_config
 
 SHAPES = dict(interval=2, vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,

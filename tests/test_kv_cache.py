@@ -21,7 +21,7 @@ from dflash_jax.kernels import REFERENCE
 from dflash_jax.load import load_draft, load_target
 from dflash_jax.models.target import init_state
 from dflash_jax.testing.oracle import OracleDrafter
-from dflash_jax.testing.synthetic import tree_bytes
+from dflash_jax.engine.state import tree_bytes
 from dflash_jax.testing.tiny import random_target, tiny_target_config
 
 N_GEN, MAX_CTX = 16, 128

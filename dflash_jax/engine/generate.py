@@ -15,7 +15,7 @@ from flax import nnx
 from dflash_jax.config import MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig, TargetConfig
 from dflash_jax.engine.prefill import InputError, SplitTarget, check_tokens, prefill_chunks, split_weights
 from dflash_jax.engine.sampling import GREEDY, Sampling, SamplingParams, gumbel_noise, sample
-from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot
+from dflash_jax.engine.state import DecodeState, Mark, Snapshot, restore, take_mark, take_snapshot, tree_bytes
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, Drafter, emit_width, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import draft as draft_model
@@ -144,10 +144,7 @@ class Engine:
         allocated. per_device: the bytes each of `devices` holds (a sharded target's share of its caches, the
         drafter's whole), which is all of them on one device."""
         tstate, dstate = jax.eval_shape(self._empty_states)
-        draft = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dstate))
-        if per_device:
-            return self.tsplit.state_device_bytes(tstate) + draft
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tstate)) + draft
+        return (self.tsplit.state_device_bytes(tstate) if per_device else tree_bytes(tstate)) + tree_bytes(dstate)
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:

@@ -15,6 +15,7 @@ from dflash_jax.config import PREFILL_BLOCK, KernelConfig, TargetConfig, check_p
 from dflash_jax.errors import InputError
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import target
+from dflash_jax.engine.state import tree_bytes
 from dflash_jax.models.target import Target, TargetState, init_state
 
 DEFAULT_CHUNK = PREFILL_BLOCK  # the delta rule's block: one compilation covers every prompt length
@@ -74,7 +75,7 @@ class SplitTarget:
 
     def state_device_bytes(self, state: TargetState) -> int:
         """Bytes of a target state (or its shapes) that each of `devices` holds: all of it on one device."""
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        return tree_bytes(state)
 
 
 def check_tokens(cfg: TargetConfig, ids: np.ndarray | list[int]) -> np.ndarray:

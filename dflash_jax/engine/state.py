@@ -15,6 +15,13 @@ import jax.numpy as jnp
 from dflash_jax.models.target import TargetState
 
 
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array (or shape) in a pytree as laid out on a device: parameters or a decode state (int4, the
+    Mosaic GPU layout's quants, two to a byte)."""
+    bits = lambda dtype: 4 if dtype in (jnp.int4, jnp.uint4) else 8 * dtype.itemsize  # noqa: E731
+    return sum(x.size * bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:

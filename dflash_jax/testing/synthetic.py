@@ -14,7 +14,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax.config import DraftConfig, KernelConfig, TargetConfig, load_draft_config, load_target_config
 from dflash_jax.gguf import tensor_specs
@@ -97,13 +96,6 @@ def synthetic_draft(cfg: DraftConfig, *, kcfg: KernelConfig = REFERENCE, seed: i
             w = random_normal(sub, shape, 0.0, 1.0 / math.sqrt(shape[1]))
             tensors[name] = QTensor({"w": w.astype(jnp.bfloat16)}, "BF16", shape)
     return draft_from_tensors(cfg, prepare_matrices(tensors, kcfg), kcfg)
-
-
-def tree_bytes(tree) -> int:
-    """Bytes of every array in a pytree (parameters or a decode state, as laid out on the device; int4, the Mosaic
-    GPU layout's quants, two to a byte)."""
-    bits = lambda dtype: 4 if dtype in (jnp.int4, jnp.uint4) else 8 * dtype.itemsize  # noqa: E731
-    return sum(int(np.prod(x.shape)) * bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
 
 
 def synthetic_27b(kcfg: KernelConfig, seed: int = 0, on_tensor=None, target_kcfg: KernelConfig | None = None
