@@ -106,6 +106,40 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
                                  interpret=kcfg.interpret, exact=kcfg.exact)
 
 
+def chunk_attention(q: jax.Array, k_all: jax.Array | kvq.KVBlocks, v_all: jax.Array | kvq.KVBlocks,
+                    length: jax.Array, k_chunk: jax.Array | kvq.KVBlocks, v_chunk: jax.Array | kvq.KVBlocks,
+                    kcfg: KernelConfig, layer: int | None = None) -> jax.Array:
+    """A prefill chunk's causal attention over the committed prefix and itself (`tree_attention` with a causal mask
+    and every query seeing the whole prefix); its rows must already be written in the caches at slots length..
+    (models/target.py writes before it reads).
+
+    The kernel takes a chunk of more than PREFILL_BLOCK tokens as consecutive chunks of PREFILL_BLOCK, each the call a
+    chunk of that size makes (the earlier blocks' rows read from the cache), so that a position's output does not
+    depend on the chunk size: the kernels round their operands to bf16, which turns any other summation order into
+    a relative 1e-4 of the logits (docs/architecture.md, "Numerics")."""
+    n = q.shape[0]
+    if kcfg.impl == "reference" or n <= PREFILL_BLOCK:
+        return tree_attention(q, k_all, v_all, length, k_chunk, v_chunk, jnp.tril(jnp.ones((n, n), bool)),
+                              jnp.zeros(n, jnp.int32), kcfg, layer)
+    causal, lo = jnp.tril(jnp.ones((PREFILL_BLOCK, PREFILL_BLOCK), bool)), jnp.zeros(PREFILL_BLOCK, jnp.int32)
+
+    def block(_, xs):
+        start, q_b, k_b, v_b = xs
+        return None, tree_attention_kernel(q_b, k_all, v_all, length + start, k_b, v_b, causal, lo, layer=layer,
+                                           interpret=kcfg.interpret, exact=kcfg.exact)
+
+    starts = jnp.arange(0, n, PREFILL_BLOCK, dtype=jnp.int32)
+    _, o = jax.lax.scan(block, None, (starts, *jax.tree.map(_blocks, (q, k_chunk, v_chunk))))
+    return o.reshape(q.shape)
+
+
+def _blocks(x: jax.Array) -> jax.Array:
+    """Rows [T, ...] as [T / PREFILL_BLOCK, PREFILL_BLOCK, ...] (T a multiple of the block: a prefill chunk's)."""
+    if x.shape[0] % PREFILL_BLOCK:
+        raise ValueError(f"{x.shape[0]} rows are not a multiple of the prefill block ({PREFILL_BLOCK})")
+    return x.reshape(-1, PREFILL_BLOCK, *x.shape[1:])
+
+
 def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array, kcfg: KernelConfig) -> jax.Array:
     """silu of the causal depthwise conv along each token's path (reference.tree_conv for the args)."""
     if kcfg.impl == "reference":
@@ -123,14 +157,26 @@ def gdn_tree(q, k, v, g, beta, s0, anc, kcfg: KernelConfig, layer: int | None = 
 
 
 def gdn_chunked(q, k, v, g, beta, s0, kcfg: KernelConfig, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """The causal gated delta rule of a prefill in blocks of PREFILL_BLOCK: (o, final state), as
-    reference.gdn_chunked; with `layer`, s0 is the stacked state and the kernel reads that layer in place. The
-    reference runs a longer prefill chunk blockwise (reference.gdn_chunked_blockwise: no dependent substitution step
-    per token); one block keeps the substitution, whose logits the parity tests hold."""
+    """The causal gated delta rule of a prefill in blocks of PREFILL_BLOCK: (o, state after the chunk), as
+    reference.gdn_chunked; with `layer`, s0 is the stacked state, the kernel reads that layer in place and the state
+    returned is the stack with that layer updated. The reference runs a longer prefill chunk blockwise
+    (reference.gdn_chunked_blockwise: no dependent substitution step per token); one block keeps the substitution,
+    whose logits the parity tests hold. The kernel runs a longer chunk as consecutive blocks, each the call a chunk
+    of one block makes, for the reason `chunk_attention` gives."""
     if kcfg.impl == "reference":
         solve = ref.gdn_chunked_blockwise if q.shape[0] > PREFILL_BLOCK else ref.gdn_chunked
-        return solve(q, k, v, g, beta, s0, PREFILL_BLOCK, layer=layer)
-    return gdn.gdn_chunked(q, k, v, g, beta, s0, layer=layer, interpret=kcfg.interpret, exact=kcfg.exact)
+        o, s = solve(q, k, v, g, beta, s0, PREFILL_BLOCK, layer=layer)
+        return o, (s if layer is None else s0.at[layer].set(s))
+
+    def block(state, xs):
+        o, s = gdn.gdn_chunked(*xs, state, layer=layer, interpret=kcfg.interpret, exact=kcfg.exact)
+        return (s if layer is None else state.at[layer].set(s)), o
+
+    if q.shape[0] <= PREFILL_BLOCK:
+        state, o = block(s0, (q, k, v, g, beta))
+        return o, state
+    state, o = jax.lax.scan(block, s0, tuple(map(_blocks, (q, k, v, g, beta))))
+    return o.reshape(-1, *o.shape[2:]), state
 
 
 def gdn_commit(ssm: jax.Array, k: list[jax.Array], v_new: list[jax.Array], gamma: list[jax.Array],

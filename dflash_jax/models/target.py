@@ -131,9 +131,11 @@ class GatedAttention(AttentionWeights):
     """Gated full attention (HF's Qwen3_5Attention): q_proj gives each head's query and its output gate."""
 
     def __call__(self, cfg: TargetConfig, u: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
-                 length: jax.Array, block: Block, kcfg: KernelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Attention over the committed cache plus the block's ancestors; writes the block's KV into `layer` of the
-        stacked caches k/v_all [attn_layers, slots, kv_heads, head_dim]."""
+                 length: jax.Array, block: Block, kcfg: KernelConfig, prefill: bool = False
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention over the committed cache plus the block's ancestors (`prefill`: the block is a prompt chunk, a
+        chain); writes the block's KV into `layer` of the stacked caches k/v_all [attn_layers, slots, kv_heads,
+        head_dim]."""
         n, hd = u.shape[0], cfg.head_dim
         qg = self.q_proj(u, kcfg).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
         q, gate = qg[..., :hd], qg[..., hd:].reshape(n, cfg.num_heads * hd)
@@ -152,7 +154,10 @@ class GatedAttention(AttentionWeights):
         # the block's own keys as the cache holds them once committed: a later token reads them from the cache, and
         # a tree's deeper nodes must see what it would see (the reference dequantizes them, the kernel decodes them
         # as it decodes the cache's tiles)
-        o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), kcfg, layer)
+        if prefill:
+            o = kernels.chunk_attention(q, k_all, v_all, length, k, v, kcfg, layer)
+        else:
+            o = kernels.tree_attention(q, k_all, v_all, length, k, v, block.anc, jnp.zeros(n, jnp.int32), kcfg, layer)
         o = o.reshape(n, cfg.num_heads * hd)
         return self.o_proj(o * jax.nn.sigmoid(gate), kcfg), k_all, v_all
 
@@ -297,7 +302,8 @@ def _forward(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.A
     for i, layer in enumerate(model.layers):
         u = layer.input_layernorm(x)
         if cfg.layer_types[i] == FULL_ATTENTION:
-            out, k_all, v_all = layer.self_attn(cfg, u, k_all, v_all, ia, state.length, block, kcfg)
+            out, k_all, v_all = layer.self_attn(cfg, u, k_all, v_all, ia, state.length, block, kcfg,
+                                                prefill_valid is not None)
             ia += 1
         else:
             q, k, v, g, beta, z, conv_in = layer.linear_attn.inputs(cfg, u, conv[ig], conv_index, kcfg)
@@ -306,9 +312,8 @@ def _forward(model: Target, cfg: TargetConfig, state: TargetState, tokens: jax.A
                 carries.append(GDNCarry(k, v_new, gamma, conv_in))
             else:
                 real = (jnp.arange(tokens.shape[0]) < prefill_valid)[:, None]
-                o, s = kernels.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
-                                           jnp.where(real, beta, 0.0), ssm, kcfg, ig)
-                ssm = ssm.at[ig].set(s)
+                o, ssm = kernels.gdn_chunked(q, jnp.where(real[..., None], k, 0.0), v, jnp.where(real, g, 0.0),
+                                             jnp.where(real, beta, 0.0), ssm, kcfg, ig)
                 conv = conv.at[ig].set(conv_in[conv_index[prefill_valid - 1, 1:]])
             out = layer.linear_attn.output(o, z, kcfg)
             ig += 1
