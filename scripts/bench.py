@@ -252,13 +252,16 @@ def fake_context(state, length: int, seed: int = 0):
         size = max(1, min(FILL_PAGE, n))
         return fill_random(x, jax.random.fold_in(key, i), pages=-(-n // size), page=size)
 
+    def placed(like):  # the new length where the old one lies (over a mesh, another placement compiles the step again)
+        return jax.device_put(jnp.int32(length), like.sharding)
+
     t = state.target
-    t = dataclasses.replace(t, k=rand(t.k, 0), v=rand(t.v, 1), length=jnp.int32(length))
+    t = dataclasses.replace(t, k=rand(t.k, 0), v=rand(t.v, 1), length=placed(t.length))
     d = state.draft
     if d is not None:
         d = dataclasses.replace(d, k=tuple(rand(x, 2 + 2 * g, ring) for g, (x, ring) in enumerate(zip(d.k, d.rings))),
                                 v=tuple(rand(x, 3 + 2 * g, ring) for g, (x, ring) in enumerate(zip(d.v, d.rings))),
-                                length=jnp.int32(length))
+                                length=placed(d.length))
     return dataclasses.replace(state, target=t, draft=d)
 
 

@@ -1,7 +1,8 @@
 """The tensor-parallel target on 4 CPU devices, run as its own process by tests/test_parallel.py: XLA's device count is
 fixed when jax starts, and the suite's processes have one. Prints a JSON object of what one device and 2- and 4-way
-meshes give (greedy ids, prefill logits' error against one device's, where a loaded target's bytes lie), which the
-test checks; with the argument `lowering`, what the sharded step with the GPU kernels lowers to for CUDA instead."""
+meshes give (greedy ids, prefill logits' error against one device's, where a loaded target's bytes lie, how often the
+step compiled, the compiled step's collectives), which the test checks; with the argument `lowering`, what the sharded
+step with the GPU kernels lowers to for CUDA instead."""
 
 import os
 
@@ -29,7 +30,7 @@ from dflash_jax.defaults import resolve_kernels  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.prefill import prefill_chunks, split_weights  # noqa: E402
 from dflash_jax.engine.state import DecodeState, rewind  # noqa: E402
-from dflash_jax.engine.step import MAX_STOP_IDS  # noqa: E402
+from dflash_jax.engine.step import DFlashDrafter  # noqa: E402
 from dflash_jax.errors import InputError  # noqa: E402
 from dflash_jax.generate import check_memory, load_weights, open_models  # noqa: E402
 from dflash_jax.kernels import REFERENCE  # noqa: E402
@@ -39,7 +40,10 @@ from dflash_jax.parallel import ShardedTarget, load_sharded  # noqa: E402
 from dflash_jax.quant import repack  # noqa: E402
 from dflash_jax.testing.oracle import OracleDrafter  # noqa: E402
 from dflash_jax.testing.quantize import quantize  # noqa: E402
-from dflash_jax.testing.tiny import random_gguf_tensors, random_target, tiny_target_config  # noqa: E402
+from dflash_jax.profiling import CompileLog  # noqa: E402
+from dflash_jax.testing.hlo import aliased_outputs, collectives, outside_shard_map, resharded_arguments  # noqa: E402
+from dflash_jax.testing.tiny import (random_draft, random_gguf_tensors, random_target, tiny_draft_config,  # noqa: E402
+                                     tiny_target_config)
 
 TINY = ROOT / "tests" / "fixtures" / "tiny-qwen35"
 N_GEN, MAX_CTX = 12, 128
@@ -142,15 +146,38 @@ def lowering_cases() -> dict:
         drafter = OracleDrafter(8, cfg.vocab_size, 0.25) if mode != "ar" else None
         engine = Engine(cfg, sharded, EngineConfig(mode=mode, budget=8, max_ctx=MAX_CTX, kv_type="q8_0"), drafter,
                         {"sequence": jnp.zeros(MAX_CTX, jnp.int32)} if drafter else None, kcfg=kcfg, parallel=pcfg)
-        tstate, dstate = jax.eval_shape(engine._empty_states)
-        state = DecodeState(target=tstate, draft=dstate, root=jnp.int32(1), remaining=jnp.int32(10),
-                            done=jnp.bool_(False))
-        hlo = engine.step.trace(engine.tweights, engine.dweights, state, jnp.full(MAX_STOP_IDS, -1, jnp.int32)
+        hlo = engine.step.trace(engine.tweights, engine.dweights, step_state(engine), engine.stop_array(())
                                 ).lower(lowering_platforms=("cuda",)).as_text()
         out[mode] = dict(kernels=sorted(set(re.findall(r'name = "(\w+)"', hlo))),
                          calls=sorted(set(re.findall(r"custom_call @(\w+)", hlo))),
                          all_reduce=hlo.count("stablehlo.all_reduce"), all_gather=hlo.count("stablehlo.all_gather"),
-                         shard_map=hlo.count("sdy.manual_computation") + hlo.count("@shmap_body"))
+                         shard_map=hlo.count("sdy.manual_computation") + hlo.count("@shmap_body"),
+                         outside=sorted(outside_shard_map(hlo)), resharded=resharded_arguments(hlo))
+    return out
+
+
+def step_state(engine: Engine) -> DecodeState:
+    """A fresh decode state of the engine, placed as its step's outputs are (`Engine._start`)."""
+    tstate, dstate = engine._empty_states()
+    root, remaining, done = engine.tsplit.replicated((jnp.int32(1), jnp.int32(10), jnp.bool_(False)))
+    return DecodeState(target=tstate, draft=dstate, root=root, remaining=remaining, done=done)
+
+
+def hlo_cases() -> dict:
+    """The AR and DDTree steps (a random DFlash drafter's) of the 4-KV-head target on a 2-way mesh, compiled for the
+    CPU: each kind of collective with its result shapes, how many outputs write in place of the donated state, and
+    how many arrays that state holds (tests/test_parallel.py checks them against the model's layers and widths)."""
+    model, dcfg = random_target(WIDE, seed=3), tiny_draft_config(WIDE, block_size=8)
+    out = dict(layers=WIDE.num_layers, hidden=WIDE.hidden_size, vocab=WIDE.vocab_size)
+    for mode in ("ar", "ddtree"):
+        drafter = DFlashDrafter(dcfg) if mode == "ddtree" else None
+        engine = Engine(WIDE, model, EngineConfig(mode=mode, budget=8, max_ctx=MAX_CTX), drafter,
+                        random_draft(dcfg, seed=4) if drafter else None, parallel=ParallelConfig(2))
+        state = step_state(engine)
+        hlo = engine.step.lower(engine.tweights, engine.dweights, state, engine.stop_array(())).compile().as_text()
+        out[mode] = dict(collectives=collectives(hlo), aliased=aliased_outputs(hlo),
+                         state_arrays=len(jax.tree.leaves(state)), nodes=1 if mode == "ar" else 9,
+                         draft_rows=dcfg.block_size - 1)
     return out
 
 
@@ -180,7 +207,9 @@ def wide_cases() -> dict:
         if n == 4:  # the fixture's AR runs on 2
             out["ar4"] = mesh.generate(ids, N_GEN).tokens
         else:
-            out["resumed2"] = resumed(mesh, ids)
+            with CompileLog() as log:  # a generation, its continuations from a Snapshot and a Mark: one program
+                out["resumed2"] = resumed(mesh, ids)
+            out["step_compiles2"] = log.compiles["jit(run)"]
         out[f"logit_err{n}"] = rel_err(prefill_logits(mesh, ids), prefill_logits(one, ids))
         tree = Engine(WIDE, model, EngineConfig(mode="ddtree", budget=8, topk=3, max_ctx=MAX_CTX),
                       OracleDrafter(8, WIDE.vocab_size, 0.25, seed=1), {"sequence": jnp.asarray(sequence)},
@@ -199,4 +228,5 @@ if __name__ == "__main__":
     else:
         load, sharded, target = load_cases()  # first: the bytes on the devices are the loaded target's alone
         fixture = fixture_cases(sharded, target)
-        print(json.dumps(dict(devices=jax.device_count(), load=load, fixture=fixture, wide=wide_cases())))
+        print(json.dumps(dict(devices=jax.device_count(), load=load, fixture=fixture, wide=wide_cases(),
+                              hlo=hlo_cases())))

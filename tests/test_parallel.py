@@ -77,6 +77,31 @@ def test_the_sharded_step_lowers_for_cuda_with_the_gpu_kernels():
         assert {"tree_attention", "tree_conv", "gdn_blocks", "gdn_commit", product} <= set(lowered["kernels"]), mode
         assert "mosaic_gpu_v2" in lowered["calls"], mode
         assert lowered["all_reduce"] == 2 * 4 and lowered["all_gather"] == 1 and lowered["shard_map"] == 1, mode
+        # nothing placed by the SPMD partitioner around it: the weights and the state enter as they lie
+        assert set(lowered["outside"]) <= {"stablehlo.constant", "stablehlo.broadcast_in_dim", "return"}, mode
+        assert lowered["resharded"] == [], mode
+
+
+def test_the_sharded_step_moves_only_the_partial_sums_and_the_logits(mesh_run):
+    """The AR and DDTree steps of a 2-way mesh compiled (CPU): between the devices only two all-reduces a layer of
+    the block's hidden rows [N, H] (after o_proj / out_proj and after down_proj) and all-gathers of logits [rows, V]
+    (the verify's; DDTree's also the drafter's rows through the target's head); every array of the donated state is
+    written in place (no copy of the caches)."""
+    run = mesh_run["hlo"]
+    for mode in ("ar", "ddtree"):
+        step = run[mode]
+        moved, rows = step["collectives"], step["nodes"]
+        assert set(moved) == {"all-reduce", "all-gather"}, mode
+        assert moved["all-reduce"] == [f"f32[{rows},{run['hidden']}]"] * (2 * run["layers"]), mode
+        logits = [rows] + ([step["draft_rows"]] if mode == "ddtree" else [])
+        assert sorted(moved["all-gather"]) == sorted(f"f32[{n},{run['vocab']}]" for n in logits), mode
+        assert step["aliased"] == step["state_arrays"], mode
+
+
+def test_a_sharded_generation_compiles_its_step_once(mesh_run):
+    """A generation on a 2-way mesh and its continuations (a restored Snapshot, a rewound Mark) run one compiled
+    step: the first step's arguments are placed as later steps' are (replicated scalars and stop ids)."""
+    assert mesh_run["wide"]["step_compiles2"] == 1
 
 
 def test_the_fixture_on_two_devices_decodes_the_reference_greedy_ids(mesh_run):

@@ -215,14 +215,18 @@ class Engine:
                     snapshots.append(take_snapshot(tstate, dstate, committed + end, here))
         first = int(_first_token(logits, jnp.int32(committed + len(ids)), sampling.device()))
         done = first in stop_ids or n_gen == 1
-        state = DecodeState(target=tstate, draft=dstate, root=jnp.int32(first), remaining=jnp.int32(n_gen - 1),
-                            done=jnp.bool_(done))
+        # placed as the step's outputs are (replicated over a mesh): an argument placed otherwise compiles the step
+        # again, once for the first step and once for the rest
+        root, remaining, done = self.tsplit.replicated((jnp.int32(first), jnp.int32(n_gen - 1), jnp.bool_(done)))
+        state = DecodeState(target=tstate, draft=dstate, root=root, remaining=remaining, done=done)
         return state, first, mark, tuple(snapshots)
 
     def stop_array(self, stop_ids: Sequence[int]) -> jax.Array:
+        """The step's stop ids argument, padded with -1, on the devices the step runs on (a copy made per step
+        otherwise: over a mesh, each step would copy an array on one device to the others before it starts)."""
         if len(stop_ids) > MAX_STOP_IDS:
             raise InputError(f"at most {MAX_STOP_IDS} stop tokens are supported, got {len(stop_ids)}")
-        return jnp.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32)
+        return self.tsplit.replicated(jnp.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32))
 
     def generate(self, prompt_ids: Sequence[int] | np.ndarray, n_gen: int, stop_ids: Sequence[int] = (),
                  on_tokens: Callable[[list[int]], None] | None = None, after: DecodeState | None = None,
@@ -251,7 +255,7 @@ class Engine:
         """The step loop of `generate` from a prefilled state whose pending token `first` is already emitted
         (state.remaining counts the rest of n_gen); consumes the state. `sampling` must be what `start` used."""
         stops = self.stop_array(stop_ids)
-        params = sampling.device()
+        params = self.tsplit.replicated(sampling.device())
         t1 = time.perf_counter()
         tokens, lengths, off_spine, first_step_s = [first], [], 0, 0.0
         halted = bool(on_tokens and on_tokens([first]))
