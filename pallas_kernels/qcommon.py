@@ -14,6 +14,7 @@ dequantizes one plane's tile from a `get(name, *index)` that reads a field's til
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -135,23 +136,30 @@ def dequantize_packed(pw: PackedWeight, tile=plane_tile) -> jax.Array:
     return out
 
 
-def f16_holds(q_max: int, *terms: tuple[jax.Array, jax.Array]) -> bool:
-    """Whether every q * scale and neg_min of quants 0..q_max, for each (scale, neg_min) given, stays under 2**15
-    once scaled by 2**F16_SHIFT (float16 holds 65504): what f16x2 tiles and the Mosaic GPU kernels need."""
+def f16_within(q_max: int, *terms: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Whether (a bool array) every q * scale and neg_min of quants 0..q_max, for each (scale, neg_min) given, stays
+    under 2**15 once scaled by 2**F16_SHIFT (float16 holds 65504): what f16x2 tiles and the Mosaic GPU kernels
+    need."""
     bound = jnp.max(jnp.stack([(q_max * jnp.abs(scale) + jnp.abs(neg_min)).max() for scale, neg_min in terms]))
-    return bool(bound * 2.0 ** F16_SHIFT < 2 ** 15)
+    return bound * 2.0 ** F16_SHIFT < 2 ** 15
 
 
 def f16_fits(fmt: str, data: dict[str, jax.Array]) -> bool:
     """Whether a Q4_K/Q6_K weight (its packed fields `data`) dequantizes in float16 after scaling by 2**F16_SHIFT
-    (`f16_holds`); False for other formats and for traced arrays."""
+    (`f16_within`); False for other formats and for traced arrays."""
     if fmt not in PTX_FORMATS or any(isinstance(a, jax.core.Tracer) for a in data.values()):
         return False
+    return bool(_f16_fits(fmt, dict(data)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _f16_fits(fmt: str, data: dict[str, jax.Array]) -> jax.Array:
+    # one program per format and shape: op by op, a load compiles each op per shape and device
     terms = []
     for plane in range(N_PLANES[fmt]):
         scale, neg_min = plane_scales(fmt, plane, whole_rows(data))
         terms.append((scale, 32 * scale if neg_min is None else neg_min))  # Q6_K: (q - 32) * scale
-    return f16_holds(63 if fmt == "Q6_K" else 15, *terms)
+    return f16_within(63 if fmt == "Q6_K" else 15, *terms)
 
 
 def x_operand(x: jax.Array, tile_math: str) -> jax.Array:

@@ -62,7 +62,15 @@ def pack(fmt: str, shape: tuple[int, int], data: Mapping[str, jax.Array], *, mgp
     layout = None if mgpu == "off" else _mgpu_layout(fmt, (n, k), data)
     if layout is not None and mgpu == "only":
         return PackedWeight({}, fmt, (n, k), mgpu=layout)
-    f = {name: jnp.asarray(a) for name, a in data.items()}
+    packed = _triton_layout(fmt, (n, k), dict(data))
+    return PackedWeight(packed, fmt, (n, k), f16_ok=f16_fits(fmt, packed), mgpu=layout)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _triton_layout(fmt: str, shape: tuple[int, int], f: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """`pack`'s Triton layout of the block fields, one compiled program per format and shape (op by op, a load
+    compiled each op per shape and device)."""
+    n, k = shape
     nb = k // unit(fmt)
     if fmt == "Q8_0":
         packed = {"qs": f["qs"].reshape(n, nb, 32), "d": f["d"].reshape(n, nb)}
@@ -77,7 +85,7 @@ def pack(fmt: str, shape: tuple[int, int], data: Mapping[str, jax.Array], *, mgp
                   "d": f["d"].reshape(n, nb), "dmin": f["dmin"].reshape(n, nb)}
         if fmt == "Q5_K":
             packed["qh"] = f["qh"].reshape(n, nb, 32)
-    return PackedWeight(packed, fmt, (n, k), f16_ok=f16_fits(fmt, packed), mgpu=layout)
+    return packed
 
 
 def dequantize(pw: PackedWeight) -> jax.Array:

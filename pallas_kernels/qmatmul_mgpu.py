@@ -48,7 +48,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels.ggml import QK_K, k_scale_min
-from pallas_kernels.qcommon import F16_SHIFT, f16_holds, sum_splits, x_operand
+from pallas_kernels.qcommon import F16_SHIFT, f16_within, sum_splits, x_operand
 
 ROWS = 64  # wgmma's M: a warpgroup's instruction takes 64 weight rows, and a program (one warpgroup) 64 rows
 GROUP = 32  # columns of a Q4_K sub-block (one scale and min)
@@ -91,10 +91,19 @@ def pack(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array]) -> MgpuQ4
         raise NotImplementedError(f"qmatmul_mgpu takes Q4_K weights, not {fmt} (qmatmul_mgpu_q6k takes Q6_K; no "
                                   "Mosaic GPU kernel is written for Q5_K): qmatmul.pack and the Triton kernels take "
                                   "the others")
+    if shape[0] % ROWS:
+        raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {shape[0]}")
+    w = _layout(tuple(shape), dict(data))
+    if not f16_fits(w):
+        raise ValueError(f"this Q4_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
+    return w
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layout(shape: tuple[int, int], f: dict[str, jax.Array]) -> MgpuQ4K:
+    """`pack`'s repacking, one compiled program per shape (op by op, a load compiled each op per shape and
+    device: most of the time a sharded target took to load)."""
     n, k = shape
-    if n % ROWS:
-        raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {n}")
-    f = {name: jnp.asarray(a) for name, a in data.items()}
     nb = k // QK_K
     qs = f["qs"].reshape(n, nb, 4, 1, 32)  # byte 32p + l: sub-block 2p (low nibble), 2p + 1 (high), column l
     q = jnp.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(n, k)
@@ -106,11 +115,8 @@ def pack(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array]) -> MgpuQ4
     dd = jnp.stack([f["d"].reshape(n, nb), f["dmin"].reshape(n, nb)], axis=-1).astype(jnp.float16)
     words = jnp.concatenate([jax.lax.bitcast_convert_type(codes, jnp.uint32),
                              jax.lax.bitcast_convert_type(dd, jnp.uint32)[..., None]], axis=-1)
-    w = MgpuQ4K(q=(q.astype(jnp.int8) - 8).astype(jnp.int4), scales=words.reshape(n, nb * SCALE_WORDS).T,
-                shape=(n, k))
-    if not f16_fits(w):
-        raise ValueError(f"this Q4_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
-    return w
+    return MgpuQ4K(q=(q.astype(jnp.int8) - 8).astype(jnp.int4), scales=words.reshape(n, nb * SCALE_WORDS).T,
+                   shape=(n, k))
 
 
 def _fields(w: MgpuQ4K) -> tuple[jax.Array, jax.Array]:
@@ -136,10 +142,15 @@ def _quants(w: MgpuQ4K) -> jax.Array:
 
 
 def f16_fits(w: MgpuQ4K) -> bool:
-    """Whether every weight, scale and negated min times 2**F16_SHIFT stays under 2**15 in float16 (`f16_holds`:
+    """Whether every weight, scale and negated min times 2**F16_SHIFT stays under 2**15 in float16 (`f16_within`:
     15 |scale| + |neg_min| bounds them), and so do d and dmin, which the kernel scales in float16 too."""
+    return bool(_f16_fits(w))
+
+
+@jax.jit
+def _f16_fits(w: MgpuQ4K) -> jax.Array:
     _, dd = _fields(w)
-    return f16_holds(15, _scales(w)) and bool(jnp.abs(dd).max() * 2.0 ** F16_SHIFT < 2 ** 15)
+    return f16_within(15, _scales(w)) & (jnp.abs(dd).max() * 2.0 ** F16_SHIFT < 2 ** 15)
 
 
 def dequantize(w: MgpuQ4K) -> jax.Array:

@@ -36,7 +36,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
 from pallas_kernels.ggml import QK_K, q6_k_quants
-from pallas_kernels.qcommon import F16_SHIFT, f16_holds
+from pallas_kernels.qcommon import F16_SHIFT, f16_within
 from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_PERM, _scalar,
                                          _scale_pairs, _scaled_dd, f16_product, grid_product, x_tokens)
 
@@ -111,10 +111,18 @@ def pack(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array]) -> MgpuQ6
     (`f16_fits`)."""
     if fmt != "Q6_K":
         raise NotImplementedError(f"qmatmul_mgpu_q6k takes Q6_K weights, not {fmt} (qmatmul_mgpu takes Q4_K)")
+    if shape[0] % ROWS:
+        raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {shape[0]}")
+    w = _layout(tuple(shape), dict(data))
+    if not f16_fits(w):
+        raise ValueError(f"this Q6_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
+    return w
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layout(shape: tuple[int, int], f: dict[str, jax.Array]) -> MgpuQ6K:
+    """`pack`'s repacking, one compiled program per shape (as qmatmul_mgpu's)."""
     n, k = shape
-    if n % ROWS:
-        raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {n}")
-    f = {name: jnp.asarray(a) for name, a in data.items()}
     nb = k // QK_K
     q = q6_k_quants(f["ql"].reshape(n, nb, 128), f["qh"].reshape(n, nb, 64)).reshape(n, k)
     lo = (q & 0xF).reshape(n, k // GROUP, GROUP)[..., WGMMA_PERM].reshape(n, k)
@@ -123,11 +131,8 @@ def pack(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array]) -> MgpuQ6
     d = f["d"].reshape(n, nb).astype(jnp.float16)
     words = jnp.concatenate([jax.lax.bitcast_convert_type(codes, jnp.uint32),
                              jax.lax.bitcast_convert_type(jnp.stack([d, d], -1), jnp.uint32)[..., None]], axis=-1)
-    w = MgpuQ6K(lo=(lo.astype(jnp.int8) - 8).astype(jnp.int4), hi=_hi_words(q >> 4),
-                scales=words.reshape(n, nb * SCALE_WORDS).T, shape=(n, k))
-    if not f16_fits(w):
-        raise ValueError(f"this Q6_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
-    return w
+    return MgpuQ6K(lo=(lo.astype(jnp.int8) - 8).astype(jnp.int4), hi=_hi_words(q >> 4),
+                   scales=words.reshape(n, nb * SCALE_WORDS).T, shape=(n, k))
 
 
 def _fields(w: MgpuQ6K) -> tuple[jax.Array, jax.Array]:
@@ -154,9 +159,14 @@ def _quants(w: MgpuQ6K) -> jax.Array:
 def f16_fits(w: MgpuQ6K) -> bool:
     """Whether every weight and scale times 2**F16_SHIFT stays under 2**15 in float16 (32 |scale| bounds the
     weights), and so does d, which the kernel scales in float16 too."""
+    return bool(_f16_fits(w))
+
+
+@jax.jit
+def _f16_fits(w: MgpuQ6K) -> jax.Array:
     scale = _scales(w)
     _, d = _fields(w)
-    return f16_holds(32, (scale, jnp.zeros_like(scale))) and bool(jnp.abs(d).max() * 2.0 ** F16_SHIFT < 2 ** 15)
+    return f16_within(32, (scale, jnp.zeros_like(scale))) & (jnp.abs(d).max() * 2.0 ** F16_SHIFT < 2 ** 15)
 
 
 def dequantize(w: MgpuQ6K) -> jax.Array:
