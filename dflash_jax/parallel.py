@@ -300,6 +300,16 @@ def _chunk_function(parallel: TargetParallel, graph: nnx.GraphDef) -> Callable:
     return jax.jit(chunk, static_argnums=(1, 5, 6), static_argnames=("kcfg",), donate_argnums=(2,))
 
 
+@functools.lru_cache(maxsize=None)
+def _state_function(parallel: TargetParallel, cfg: TargetConfig, slots: int, kv_type: str, v_type: str | None
+                    ) -> Callable:
+    """The jitted `init_state` of a sharded target, its state laid out over the mesh: one per state shape (a jit made
+    at each call compiled again at each generation)."""
+    make = functools.partial(init_state, cfg, slots, kv_type, v_type)
+    specs = state_specs(jax.eval_shape(make), parallel.axis)
+    return jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(parallel.mesh, s), specs))
+
+
 def _place(mesh: Mesh, axis: str, shards: list[Any]) -> Any:
     """Per-shard weight pytrees, each leaf already on its shard's device, as one of global arrays made of those
     leaves (nothing copied): replicated leaves whole on each device, the others the shards' blocks one after the
@@ -328,13 +338,7 @@ class ShardedTarget(SplitTarget):
     def init_state(self, cfg: TargetConfig, slots: int, kv_type: str = "f32", v_type: str | None = None
                    ) -> TargetState:
         """An empty target state of the global config laid out over the mesh, each device allocating its part."""
-        make = functools.partial(init_state, cfg, slots, kv_type, v_type)
-        return jax.jit(make, out_shardings=self.state_shardings(jax.eval_shape(make)))()
-
-    def state_shardings(self, state: TargetState) -> TargetState:
-        """The NamedShardings of a target state (or its shapes) on the mesh: caches and recurrent state by head."""
-        specs = state_specs(state, self.parallel.axis)
-        return jax.tree.map(lambda s: NamedSharding(self.parallel.mesh, s), specs)
+        return _state_function(self.parallel, cfg, slots, kv_type, v_type)()
 
     def replicated(self, tree: Any) -> Any:
         """A pytree of arrays copied whole onto every device of the mesh (the drafter's weights and state)."""

@@ -98,10 +98,12 @@ def test_the_sharded_step_moves_only_the_partial_sums_and_the_logits(mesh_run):
         assert step["aliased"] == step["state_arrays"], mode
 
 
-def test_a_sharded_generation_compiles_its_step_once(mesh_run):
-    """A generation on a 2-way mesh and its continuations (a restored Snapshot, a rewound Mark) run one compiled
-    step: the first step's arguments are placed as later steps' are (replicated scalars and stop ids)."""
-    assert mesh_run["wide"]["step_compiles2"] == 1
+def test_a_sharded_generation_compiles_its_functions_once(mesh_run):
+    """Three generations on a 2-way mesh (one, then its continuations from a restored Snapshot and a rewound Mark)
+    compile the step, the prefill chunk and the state's allocation once each: the first step's arguments are placed
+    as later steps' are (replicated scalars and stop ids), and the state's allocation is one jitted function."""
+    compiles = mesh_run["wide"]["compiles2"]
+    assert [compiles.get(f"jit({name})") for name in ("run", "chunk", "init_state")] == [1, 1, 1]
 
 
 def test_the_fixture_on_two_devices_decodes_the_reference_greedy_ids(mesh_run):
