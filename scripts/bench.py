@@ -58,7 +58,7 @@ from dflash_jax.engine.state import tree_bytes  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.generate import JIT_CACHE_MIN_COMPILE_S, enable_jit_cache, fit_max_ctx, kv_cache_words  # noqa: E402
-from dflash_jax.parallel import load_layout, parallel_config, split_target  # noqa: E402
+from dflash_jax.parallel import ShardedTarget, parallel_config  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
 from dflash_jax.testing import synthetic  # noqa: E402
@@ -71,11 +71,11 @@ NO_STOPS = ()
 # ---------------------------------------------------------------------------------------------------------------
 # Models and memory
 
-def make_models(kind: str, kcfg: KernelConfig, log=print, target_kcfg: KernelConfig | None = None):
+def make_models(kind: str, kcfg: KernelConfig, log=print, parallel: ParallelConfig = SINGLE_DEVICE):
     """(target, draft, info) for `27b` (synthetic full size) or `tiny`, laid out for `kcfg` as load_target lays out a
-    real pair (the target for `target_kcfg` if given: the layout a target to shard loads in); info: seconds and
-    bytes."""
-    target_kcfg = kcfg if target_kcfg is None else target_kcfg
+    real pair (over `parallel`'s devices, where there are several, a ShardedTarget made straight into its shards as
+    load_sharded loads one); info: seconds and bytes (a sharded target's over all its devices, each replicated
+    tensor once)."""
     t0 = time.perf_counter()
     stored: dict[str, int] = {}
 
@@ -85,18 +85,20 @@ def make_models(kind: str, kcfg: KernelConfig, log=print, target_kcfg: KernelCon
             log(f"  {len(stored)} tensors, {sum(stored.values()) / 1e9:.1f} GB")
 
     if kind == "27b":
-        target, draft = synthetic.synthetic_27b(kcfg, on_tensor=progress, target_kcfg=target_kcfg)
+        target, draft = synthetic.synthetic_27b(kcfg, on_tensor=progress, parallel=parallel)
     else:
         cfg = tiny_target_config(num_layers=4, vocab_size=2048)  # 3 Gated DeltaNet layers, then attention
-        target = synthetic.synthetic_target(cfg, kcfg=target_kcfg, on_tensor=progress)
+        target = (synthetic.synthetic_sharded(cfg, kcfg, parallel, on_tensor=progress) if parallel.devices > 1
+                  else synthetic.synthetic_target(cfg, kcfg=kcfg, on_tensor=progress))
         draft = synthetic.synthetic_draft(tiny_draft_config(cfg, block_size=16), kcfg=kcfg)
-    jax.block_until_ready((target, draft))
+    weights = target.weights if isinstance(target, ShardedTarget) else target
+    jax.block_until_ready((weights, draft))
     # the bytes one decode step streams: every matrix but the embedding table (read by row), in its GGUF size
     specs = tensor_specs(target.config)
     matrices = {n: b for n, b in stored.items() if n != "token_embd.weight" and specs[n].kind != "dense"}
     info = dict(make_s=time.perf_counter() - t0, target_gguf_bytes=sum(stored.values()),
                 step_weight_bytes=sum(matrices.values()),
-                target_device_bytes=tree_bytes(target),
+                target_device_bytes=tree_bytes(weights),
                 draft_device_bytes=tree_bytes(draft))
     return target, draft, info
 
@@ -471,9 +473,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         raise SystemExit("--devices: a sharded target's long-context step is timed whole (add --no-long_phases); "
                          "timing its phases apart is not implemented")
     res["devices"] = pcfg.devices
-    target, draft, info = make_models(args.model, kcfg, log, load_layout(kcfg, pcfg))
-    if pcfg.devices > 1:  # split once, the whole target (built on device 0) freed: every engine shares the shards
-        target = split_target(target, kcfg, pcfg)
+    # on several devices made straight into its shards, which every engine of the run shares
+    target, draft, info = make_models(args.model, kcfg, log, pcfg)
     build = functools.partial(engine_for, parallel=pcfg, kcfg=kcfg)  # every engine of the run: on --devices
     res["models"] = info | {"memory_after_load": memory()}
     log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "

@@ -38,6 +38,7 @@ from dflash_jax.load import load_draft, load_target, open_target  # noqa: E402
 from dflash_jax.models.target import Target  # noqa: E402
 from dflash_jax.parallel import ShardedTarget, load_sharded  # noqa: E402
 from dflash_jax.quant import repack  # noqa: E402
+from dflash_jax.testing import synthetic  # noqa: E402
 from dflash_jax.testing.oracle import OracleDrafter  # noqa: E402
 from dflash_jax.testing.quantize import quantize  # noqa: E402
 from dflash_jax.profiling import CompileLog  # noqa: E402
@@ -125,6 +126,12 @@ def load_cases() -> tuple[dict, ShardedTarget, Target]:
     head = ShardedTarget.from_tensors(tied, tensors.items(), REFERENCE, pcfg).weights["lm_head"]["weight"]
     out["tied"] = ["output.weight" in tensors, head.sharding.spec == P("tp"),
                    bool(np.array_equal(np.asarray(head), tensors["token_embd.weight"]))]
+    # bench's synthetic target made straight into its shards, against the whole one split
+    cfg = tiny_target_config(num_layers=4, vocab_size=2048)
+    straight = synthetic.synthetic_sharded(cfg, REFERENCE, pcfg).weights
+    split = ShardedTarget.over(synthetic.synthetic_target(cfg), REFERENCE, pcfg).weights
+    out["synthetic_equal"] = all(a.sharding == b.sharding and bool(np.array_equal(a, b))
+                                 for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(split), strict=True))
     return out, sharded, target
 
 

@@ -47,6 +47,7 @@ def test_a_target_loads_straight_into_its_shards(mesh_run):
     assert held[0] == held[1] and held[2] == held[3] == 0
     assert whole / 2 < held[0] < 0.75 * whole  # the embedding is whole on both, every split tensor halved
     assert run["placed"] and run["loaded"] == "ShardedTarget"
+    assert run["synthetic_equal"]  # bench's synthetic target made straight into its shards: the split whole one's
 
 
 def test_a_tied_head_is_split_from_the_embedding(mesh_run):

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DraftConfig, KernelConfig, TargetConfig, load_draft_config, load_target_config
+from dflash_jax.config import (SINGLE_DEVICE, DraftConfig, KernelConfig, ParallelConfig, TargetConfig,
+                               load_draft_config, load_target_config)
 from dflash_jax.gguf import tensor_specs
 from dflash_jax.kernels import REFERENCE, prepare_matrices, prepare_matrix
 from dflash_jax.load import prepare_target
 from dflash_jax.models.draft import Draft, draft_from_tensors
 from dflash_jax.models.draft import tensor_shapes as draft_tensor_shapes
 from dflash_jax.models.target import Target, target_from_tensors
+from dflash_jax.parallel import ShardedTarget
 from dflash_jax.quant import QTensor, dequantize
 from dflash_jax.testing.gguf_writer import q4_k_m_rule
 from dflash_jax.testing.random_weights import random_normal, random_qtensor, random_uniform
@@ -57,23 +59,30 @@ def _dense(key: jax.Array, name: str, shape: tuple[int, ...]) -> jax.Array:
     return random_normal(key, shape, 0.0, 0.5)  # conv kernel, dt bias
 
 
-def synthetic_target(cfg: TargetConfig, *, kcfg: KernelConfig = REFERENCE, seed: int = 0,
-                     on_tensor: Callable[[str, int], None] | None = None) -> Target:
-    """A random target with cfg's shapes and the stock Q4_K_M types (MTP blocks left out), ready for the engine.
-
-    on_tensor(name, stored bytes) is called after each tensor (progress). Returns a `Target` module as load_target
-    does, built from these arrays (none is copied).
-    """
-    rule, cache, tensors = q4_k_m_rule(cfg), {}, {}
+def synthetic_tensors(cfg: TargetConfig, seed: int = 0) -> Iterator[tuple[str, QTensor | jax.Array]]:
+    """The tensors of a random target with cfg's shapes and the stock Q4_K_M types (MTP blocks left out), by GGUF
+    name, as a GGUF stores them (QTensor matrices, float32 vectors), each made on the device when asked for."""
+    rule, cache = q4_k_m_rule(cfg), {}
     key = jax.random.key(seed)
     for i, (name, spec) in enumerate(tensor_specs(cfg).items()):
         if spec.optional or (name.startswith("blk.") and int(name.split(".")[1]) >= cfg.num_layers):
             continue
         sub = jax.random.fold_in(key, i)
         if spec.kind == "dense":
-            x = _dense(sub, name, spec.shape)
+            yield name, _dense(sub, name, spec.shape)
         else:
-            x = random_matrix(sub, rule(name, spec).name, spec.shape, cache)
+            yield name, random_matrix(sub, rule(name, spec).name, spec.shape, cache)
+
+
+def synthetic_target(cfg: TargetConfig, *, kcfg: KernelConfig = REFERENCE, seed: int = 0,
+                     on_tensor: Callable[[str, int], None] | None = None) -> Target:
+    """A random target of `synthetic_tensors`, ready for the engine.
+
+    on_tensor(name, stored bytes) is called after each tensor (progress). Returns a `Target` module as load_target
+    does, built from these arrays (none is copied).
+    """
+    tensors = {}
+    for name, x in synthetic_tensors(cfg, seed):
         nbytes = x.nbytes  # as stored in a GGUF, before any repacking
         if name != "token_embd.weight":  # read by row; stays a QTensor as load_target leaves it
             x = prepare_matrix(x, kcfg)  # dense vectors pass through
@@ -82,6 +91,22 @@ def synthetic_target(cfg: TargetConfig, *, kcfg: KernelConfig = REFERENCE, seed:
             on_tensor(name, nbytes)
     # reference: dequantized when small enough
     return target_from_tensors(cfg, prepare_target(tensors, kcfg), kcfg)
+
+
+def synthetic_sharded(cfg: TargetConfig, kcfg: KernelConfig, pcfg: ParallelConfig, *, seed: int = 0,
+                      on_tensor: Callable[[str, int], None] | None = None) -> ShardedTarget:
+    """`synthetic_target`'s target made straight into its shards over pcfg's devices, as `parallel.load_sharded`
+    loads a file: each tensor made on the default device, copied to the host, and its slices put on their devices
+    and laid out for `kcfg` there, so no device ever holds the whole target."""
+    def stream():
+        for name, x in synthetic_tensors(cfg, seed):
+            host = jax.device_get(x)
+            del x  # off the device before the next tensor is made
+            if on_tensor:
+                on_tensor(name, host.nbytes)
+            yield name, host
+
+    return ShardedTarget.from_tensors(cfg, stream(), kcfg, pcfg)
 
 
 def synthetic_draft(cfg: DraftConfig, *, kcfg: KernelConfig = REFERENCE, seed: int = 1) -> Draft:
@@ -98,10 +123,14 @@ def synthetic_draft(cfg: DraftConfig, *, kcfg: KernelConfig = REFERENCE, seed: i
     return draft_from_tensors(cfg, prepare_matrices(tensors, kcfg), kcfg)
 
 
-def synthetic_27b(kcfg: KernelConfig, seed: int = 0, on_tensor=None, target_kcfg: KernelConfig | None = None
-                  ) -> tuple[Target, Draft]:
+def synthetic_27b(kcfg: KernelConfig, seed: int = 0, on_tensor=None, parallel: ParallelConfig = SINGLE_DEVICE
+                  ) -> tuple[Target | ShardedTarget, Draft]:
     """The Qwen3.5-27B Q4_K_M target and its 1.73B bf16 DFlash drafter, synthetic (configs/qwen3.5-27b*.json), laid
-    out for `kcfg` as load_target and load_draft lay out a real pair (the target for `target_kcfg` if given)."""
-    target = synthetic_target(load_target_config(TARGET_27B), kcfg=kcfg if target_kcfg is None else target_kcfg,
-                              seed=seed, on_tensor=on_tensor)
+    out for `kcfg` as load_target and load_draft lay out a real pair (the target straight into its shards over
+    `parallel`'s devices where there are several, as parallel.load_split loads one)."""
+    cfg = load_target_config(TARGET_27B)
+    if parallel.devices > 1:
+        target = synthetic_sharded(cfg, kcfg, parallel, seed=seed, on_tensor=on_tensor)
+    else:
+        target = synthetic_target(cfg, kcfg=kcfg, seed=seed, on_tensor=on_tensor)
     return target, synthetic_draft(load_draft_config(DRAFT_27B), kcfg=kcfg, seed=seed + 1)
