@@ -12,8 +12,9 @@ which includes the call's dispatch and the wait for it, and the GPU kernel time 
 by kernel (the product's own and XLA's around it), and each line names the longest. qmatmul runs the Triton layout's
 route for each M (one token: the int8 GEMV for Q4_K/Q6_K, the float GEMV otherwise; more: the tensor-core kernel).
 `--sweep` also times tile variants, `--splits` the K split over 1, 2, 4 and 8 programs, `--variants` any of
-qmatmul's tuning arguments (e.g. `block_n=32,num_warps=8`). The drafter's bf16 matrices are not here: XLA's product
-serves them.
+qmatmul's tuning arguments (e.g. `block_n=32,num_warps=8`), `--shard N` the matrices as one shard of the target
+split N ways holds them (`--devices N`: 1/N of the rows, or of the columns of the all-reduced projections). The
+drafter's bf16 matrices are not here: XLA's product serves them.
 
 qmatmul_mgpu: the Mosaic GPU kernels on the 27B's Q4_K shapes (pallas_kernels/qmatmul_mgpu.py) and Q6_K ones
 (qmatmul_mgpu_q6k.py) at each `--m`, beside qmatmul's Triton route on the same weights in the same run; its rate
@@ -65,6 +66,7 @@ from dflash_jax.defaults import resolve_kernels  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.models.target import Block  # noqa: E402
 from dflash_jax.models.target import _conv_index as conv_index  # noqa: E402
+from dflash_jax.parallel import shard_plan  # noqa: E402
 from dflash_jax.quant import FORMATS, dequantize  # noqa: E402
 from dflash_jax.testing.gguf_writer import q4_k_m_rule  # noqa: E402
 from dflash_jax.testing.synthetic import random_matrix  # noqa: E402
@@ -93,6 +95,20 @@ SHAPES = [
     ("output", "Q6_K", 248320, 5120),
 ]
 MIN_BYTES = 512 * 2**20  # stream at least this much per timed call (H100 L2: 50 MB)
+
+
+def shard_shapes(shapes: list, n: int) -> list:
+    """The matrices as shard 0 of the 27B split n ways holds them (`--shard`; parallel.shard_plan): those split by
+    rows with 1/n of their rows, o_proj, out_proj and ffn_down (split by columns) with 1/n of their columns."""
+    cfg = load_target_config(CONFIG_27B)
+    plan, gdn_layer, attn_layer = shard_plan(cfg, n, 0), cfg.linear_attention_layers[0], cfg.full_attention_layers[0]
+    out = []
+    for name, fmt, rows, k in shapes:
+        base = name.split("/")[0] + ".weight"  # ffn_gate/up: ffn_gate's
+        layer = attn_layer if base in ("attn_q.weight", "attn_output.weight") else gdn_layer
+        how, idx = plan[base if base == "output.weight" else f"blk.{layer}.{base}"]
+        out.append((name, fmt, len(idx), k) if how == "rows" else (name, fmt, rows, len(idx)))
+    return out
 
 
 def _copies(fmt: str, n: int, k: int, min_bytes: int = MIN_BYTES):
@@ -193,11 +209,12 @@ def bench_qmatmul(ms: list[int], stream: float, sweep: bool, only: set[str] | No
     return rows
 
 
-def bench_qmatmul_mgpu(ms: list[int], stream: float, only: set[str] | None = None, extra: list[dict] = ()) -> list[dict]:
-    """The Mosaic GPU kernels and qmatmul on each 27B Q4_K and Q6_K shape at each M, errors against the float32
-    product of the GGUF weights."""
+def bench_qmatmul_mgpu(ms: list[int], stream: float, only: set[str] | None = None, extra: list[dict] = (),
+                       shapes: list = SHAPES) -> list[dict]:
+    """The Mosaic GPU kernels and qmatmul on each 27B Q4_K and Q6_K shape (of `shapes`) at each M, errors against the
+    float32 product of the GGUF weights."""
     rows = []
-    for name, fmt, n, k in SHAPES:
+    for name, fmt, n, k in shapes:
         if fmt not in ("Q4_K", "Q6_K") or (only and f"{name}:{fmt}" not in only):
             continue
         qts, gguf_bytes = _copies(fmt, n, k)
@@ -415,7 +432,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="tree_attention's cache types (K and V alike)")
     ap.add_argument("--numerics", choices=NUMERICS, default=None,
                     help="the kernels' rounding (KernelConfig.numerics); default: this device's, as generate's")
+    ap.add_argument("--shard", type=int, default=1, metavar="N",
+                    help="qmatmul and qmatmul_mgpu on the matrices as one shard of the target split N ways holds them "
+                         "(--devices N): rows or columns divided by N")
     args = ap.parse_args(argv)
+    shapes = shard_shapes(SHAPES, args.shard) if args.shard > 1 else SHAPES
     exact = resolve_kernels(numerics=args.numerics).exact
     env = {**environment(), "exact": exact}
     copy, stream = copy_rate(), read_rate()
@@ -423,9 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     if "qmatmul" in args.kernels:
         rows += bench_qmatmul(args.m, stream, args.sweep, set(args.only or ()), args.splits, args.tiles, args.variants,
-                              exact=exact)
+                              shapes=shapes, exact=exact)
     if "qmatmul_mgpu" in args.kernels:
-        rows += bench_qmatmul_mgpu(args.m, stream, set(args.only or ()), args.variants)
+        rows += bench_qmatmul_mgpu(args.m, stream, set(args.only or ()), args.variants, shapes)
     if "tree_attention" in args.kernels:
         rows += bench_tree_attention(stream, args.sweep, exact=exact, kv_types=tuple(args.kv_types))
     if "gdn" in args.kernels:
@@ -433,7 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     if "tree_conv" in args.kernels:
         rows += bench_tree_conv(stream)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(env, copy_rate=copy, read_rate=stream, results=rows), indent=1))
+    args.out.write_text(json.dumps(dict(env, copy_rate=copy, read_rate=stream, shard=args.shard, results=rows),
+                                   indent=1))
     for r in rows:
         if r["kernel"] not in ("qmatmul", "qmatmul_mgpu", "xla_dequant_dot") and "splits" not in r:  # not a sweep
             extra = f"  {r['floor_ratio']:.2f} of floor" if "floor_ratio" in r else ""
@@ -441,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} "
                   f"{r.get('kv_type', ''):5s} {r['us']:9.1f} us" + extra)
     if "qmatmul" in args.kernels:
-        print(qmatmul_table(rows, args.m, [shape for shape in SHAPES
+        print(qmatmul_table(rows, args.m, [shape for shape in shapes
                                            if not args.only or f"{shape[0]}:{shape[1]}" in args.only]))
 
 

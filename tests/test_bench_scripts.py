@@ -217,6 +217,19 @@ def test_bench_kernels_qmatmul_section_on_a_small_matrix(capsys):
     assert "small" in capsys.readouterr().out  # each row printed as it is timed
 
 
+def test_bench_kernels_shard_shapes_follow_the_split():
+    """`--shard N`: each 27B matrix as shard 0 of N holds it, 1/N of its weights; the row-split ones (gate/up, the
+    head) keep their columns, the all-reduced ones (ffn_down, o_proj, out_proj) their rows."""
+    import bench_kernels
+
+    for n in (2, 4):
+        shards = bench_kernels.shard_shapes(bench_kernels.SHAPES, n)
+        assert [rows * k * n for _, _, rows, k in shards] == [rows * k for _, _, rows, k in bench_kernels.SHAPES]
+        by_name = {(name, fmt): (rows, k) for name, fmt, rows, k in shards}
+        assert by_name["ffn_gate/up", "Q4_K"] == (17408 // n, 5120) and by_name["output", "Q6_K"] == (248320 // n, 5120)
+        assert by_name["ffn_down", "Q6_K"] == (5120, 17408 // n) and by_name["attn_output", "Q4_K"] == (5120, 6144 // n)
+
+
 def test_budget_sweep_on_the_fixture_pair(tiny_gguf_path, tmp_path):
     import budget_sweep
 
