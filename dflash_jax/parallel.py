@@ -60,12 +60,6 @@ def parallel_config(devices: str | int) -> ParallelConfig:
     return ParallelConfig(count)
 
 
-def load_layout(kcfg: KernelConfig, pcfg: ParallelConfig) -> KernelConfig:
-    """The layout to build a whole target in: the kernels' own on one device; on several the reference one (matrices
-    as stored), since the split comes first and each shard is laid out for `kcfg` after (`ShardedTarget.over`)."""
-    return kcfg if pcfg.devices == 1 else REFERENCE
-
-
 def load_split(source: TargetFile, kcfg: KernelConfig, pcfg: ParallelConfig, progress: bool = True
                ) -> Target | "ShardedTarget":
     """An opened target loaded for `pcfg`'s devices: whole on one (`load.load_target`), straight into its shards on

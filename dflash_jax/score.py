@@ -93,8 +93,8 @@ def score(model: Target, ids: np.ndarray, *, chunk: int = DEFAULT_CHUNK, kv_type
     """Teacher-forced logits of every position of ids (a float32 KV cache by default, the reference precision; the
     values in `v_type` if given), in a cache of `slots` (default: the sequence rounded up to the chunk; one size for
     sequences of several lengths compiles the chunk once). With `parallel` over several devices the target (loaded
-    into its shards by `parallel.load_split`, or whole as stored: `parallel.load_layout`) is split over them, each
-    shard laid out for `kcfg` (default: the model's)."""
+    into its shards by `parallel.load_split`, or whole in the reference layout: `ShardedTarget.over`) is split over
+    them, each shard laid out for `kcfg` (default: the model's)."""
     cfg = model.config
     kcfg = model.kcfg if kcfg is None else kcfg
     ids = check_tokens(cfg, ids)
