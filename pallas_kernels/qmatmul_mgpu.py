@@ -91,11 +91,17 @@ def pack(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array]) -> MgpuQ4
         raise NotImplementedError(f"qmatmul_mgpu takes Q4_K weights, not {fmt} (qmatmul_mgpu_q6k takes Q6_K; no "
                                   "Mosaic GPU kernel is written for Q5_K): qmatmul.pack and the Triton kernels take "
                                   "the others")
+    return checked_layout(fmt, shape, data, _layout, f16_fits)
+
+
+def checked_layout(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array], layout, fits):
+    """`layout(shape, data)`, a Mosaic GPU kernel's layout of a weight, refused (ValueError: the Triton kernels take it)
+    for rows not a multiple of ROWS and where float16 cannot hold the weight (`fits` of the layout False)."""
     if shape[0] % ROWS:
         raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {shape[0]}")
-    w = _layout(tuple(shape), dict(data))
-    if not f16_fits(w):
-        raise ValueError(f"this Q4_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
+    w = layout(tuple(shape), dict(data))
+    if not fits(w):
+        raise ValueError(f"this {fmt} weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
     return w
 
 

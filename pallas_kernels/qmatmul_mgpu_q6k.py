@@ -38,7 +38,8 @@ from jaxlib.mlir.dialects import arith, llvm
 from pallas_kernels.ggml import QK_K, q6_k_quants
 from pallas_kernels.qcommon import F16_SHIFT, f16_within
 from pallas_kernels.qmatmul_mgpu import (GROUP, NIBBLE_FIELDS, ROWS, SCALE_WORDS, STAGES, WGMMA_PERM, _scalar,
-                                         _scale_pairs, _scaled_dd, f16_product, grid_product, x_tokens)
+                                         _scale_pairs, _scaled_dd, checked_layout, f16_product, grid_product,
+                                         x_tokens)
 
 SUB = 16  # columns of a Q6_K sub-block (one int8 scale): half a 32-column group, one wgmma of K = 16
 CHUNK = 2 * GROUP  # columns whose high bits one 32-bit word of `hi` holds for a lane
@@ -111,12 +112,7 @@ def pack(fmt: str, shape: tuple[int, int], data: dict[str, jax.Array]) -> MgpuQ6
     (`f16_fits`)."""
     if fmt != "Q6_K":
         raise NotImplementedError(f"qmatmul_mgpu_q6k takes Q6_K weights, not {fmt} (qmatmul_mgpu takes Q4_K)")
-    if shape[0] % ROWS:
-        raise ValueError(f"the Mosaic GPU kernel takes weights of a multiple of {ROWS} rows, got {shape[0]}")
-    w = _layout(tuple(shape), dict(data))
-    if not f16_fits(w):
-        raise ValueError(f"this Q6_K weight does not fit float16 at 2**{F16_SHIFT} (f16_fits): take qmatmul")
-    return w
+    return checked_layout(fmt, shape, data, _layout, f16_fits)
 
 
 @functools.partial(jax.jit, static_argnums=0)
