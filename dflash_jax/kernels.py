@@ -125,8 +125,7 @@ def chunk_attention(q: jax.Array, k_all: jax.Array | kvq.KVBlocks, v_all: jax.Ar
 
     def block(_, xs):
         start, q_b, k_b, v_b = xs
-        return None, tree_attention_kernel(q_b, k_all, v_all, length + start, k_b, v_b, causal, lo, layer=layer,
-                                           interpret=kcfg.interpret, exact=kcfg.exact)
+        return None, tree_attention(q_b, k_all, v_all, length + start, k_b, v_b, causal, lo, kcfg, layer)
 
     starts = jnp.arange(0, n, PREFILL_BLOCK, dtype=jnp.int32)
     _, o = jax.lax.scan(block, None, (starts, *jax.tree.map(_blocks, (q, k_chunk, v_chunk))))
