@@ -395,9 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time the DDTree step's phases at each long context (each phase compiles alone)")
     ap.add_argument("--devices", default="1", help="local devices to split the target over, tensor-parallel (a count, "
                     "or 'all'), as generate's --devices")
-    ap.add_argument("--profile", default=None, help="write jax.profiler traces into this new folder: 8 AR steps (DIR/ar), "
-                    "8 forced steps of the first tree engine (DIR/ddtree-22), one warm prefill per chunk size "
-                    "(DIR/prefill-CHUNK); each summarized per GPU into the JSON's profile and printed")
+    ap.add_argument("--profile", default=None, help="write jax.profiler traces into this new folder: 8 AR steps "
+                    "(DIR/ar), 8 forced steps of the first tree engine (DIR/ddtree-22), one warm prefill per chunk "
+                    "size (DIR/prefill-CHUNK); each summarized per GPU into the JSON's profile and printed")
     ap.add_argument("--prefill_lens", default="512,8192,32768", help="prompt lengths of the prefill section")
     ap.add_argument("--prefill_chunks", default=None,
                     help="prefill chunk sizes of the prefill section, comma-separated multiples of 64 (default: the "
@@ -481,7 +481,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     res["models"] = info | {"memory_after_load": memory(),
                             "accounting": memory_accounting({"target": weights, "drafter": draft})}
     log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "
-        f"drafter {info['draft_device_bytes'] / 1e9:.2f} GB; {memory_line('after the models', res['models']['accounting'])}")
+        f"drafter {info['draft_device_bytes'] / 1e9:.2f} GB")
+    log(memory_line("after the models", res["models"]["accounting"]))
     save()
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, target.config.vocab_size, args.prompt_len).tolist()

@@ -301,7 +301,8 @@ def test_gpu_step_profile_counts_busy_time_as_the_union_of_kernels():
     assert r["kernels"][0] == {"name": "a", "category": "other", "ms": 3.0, "launches": 1.0}
     assert summarize([], steps=8) == {"steps": 8, "kernels": []}
     text = table({"device": "d", "jax": "j", "date": "t", "model": "m", "modes": {"ar": r, "ddtree": summarize([], 1)}})
-    assert "ar: ms a step: span 6.00, busy 4.00, idle 2.00 (33 %), collectives 0.00, 1.5 launches; 2 steps traced" in text
+    assert "ar: ms a step: span 6.00, busy 4.00, idle 2.00 (33 %), collectives 0.00, 1.5 launches; 2 steps traced" \
+        in text
     assert "ddtree: no GPU kernel events in the trace" in text
     # the span ends at the last kernel to end, not at the end of the last to start
     assert summarize([("long", 0, 10 * ms), ("short", ms, ms)], steps=1)["span_ms"] == 10
@@ -323,7 +324,8 @@ def test_gpu_step_profile_sorts_every_kernel_into_a_category():
              "input_transpose_fusion_126": "layout", "loop_pad_fusion_340": "layout", "wrapped_concatenate": "layout",
              "loop_dynamic_update_slice_fusion": "layout", "MemcpyD2D": "layout", "copy_fusion_2": "layout",
              "triton_softmax_590": "other", "loop_add_fusion_63": "other", "input_reduce_fusion_34": "other",
-             "fusion_3002": "other", "void stream_executor::cuda::Run<8ul, float, unsigned int>(float*, int, f": "other"}
+             "fusion_3002": "other",
+             "void stream_executor::cuda::Run<8ul, float, unsigned int>(float*, int, f": "other"}
     assert {n: category(n) for n in names} == names
     us = 1_000  # ns
     # one event of each name, name i lasting (i + 1) us, one after another from t = 0; then a gap of 100 us
@@ -340,9 +342,11 @@ def test_gpu_step_profile_sorts_every_kernel_into_a_category():
     assert {c: v["ms"] for c, v in r["categories"].items()} == pytest.approx({c: expect[c] / 2e6 for c in expect})
     assert r["categories"]["delta rule"]["launches"] == 1.5 and r["categories"]["collectives"]["launches"] == 2
     assert r["collective_ms"] == r["categories"]["collectives"]["ms"]
-    assert r["kernels"][0]["name"] == "gdn_blocks" and r["kernels"][0]["ms"] == pytest.approx((5 + 50) * us / 2e6)  # the 5th name
+    longest = r["kernels"][0]  # the 5th name (5 us) and its second launch
+    assert longest["name"] == "gdn_blocks" and longest["ms"] == pytest.approx((5 + 50) * us / 2e6)
     lines = profile_lines("ddtree-22 /device:GPU:0", r, top=5)
-    assert lines[0].startswith("ddtree-22 /device:GPU:0: ms a step:") and "the 5 longest of 27 kernel names" in lines[-6]
+    assert lines[0].startswith("ddtree-22 /device:GPU:0: ms a step:")
+    assert "the 5 longest of 27 kernel names" in lines[-6]
     assert lines[-5].split()[0] == "gdn_blocks" and len(lines) == 1 + 1 + len(CATEGORIES) + 1 + 1 + 5
 
 
