@@ -43,14 +43,14 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (add_engine_flags, copy_rate, engine_settings, environment, first_difference,  # noqa: E402
-                      fit_verify_cost, gpu_events_by_device, read_rate)
+                      fit_verify_cost, gpu_events_by_device, memory, memory_accounting, memory_line, read_rate)
 
 from exactness import margin  # noqa: E402
-from gpu_step_profile import summarize  # noqa: E402
+from gpu_step_profile import profile_lines, summarize  # noqa: E402
 
 from dflash_jax import kv_quant as kvq  # noqa: E402
-from dflash_jax.config import (MAX_TREE_NODES, SINGLE_DEVICE, EngineConfig, KernelConfig, ParallelConfig,  # noqa: E402
-                               check_prefill_chunk)
+from dflash_jax.config import (MAX_TREE_NODES, PREFILL_BLOCK, SINGLE_DEVICE, EngineConfig, KernelConfig,  # noqa: E402
+                               ParallelConfig, check_prefill_chunk)
 from dflash_jax.engine import tree as tree_lib  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.sampling import GREEDY  # noqa: E402
@@ -101,12 +101,6 @@ def make_models(kind: str, kcfg: KernelConfig, log=print, parallel: ParallelConf
                 target_device_bytes=tree_bytes(weights),
                 draft_device_bytes=tree_bytes(draft))
     return target, draft, info
-
-
-def memory() -> dict:
-    """Device memory in use and its peak so far (bytes), where the backend reports them."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
 
 
 def engine_for(target, draft, ecfg: EngineConfig, forced: bool = False, parallel: ParallelConfig = SINGLE_DEVICE,
@@ -401,7 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time the DDTree step's phases at each long context (each phase compiles alone)")
     ap.add_argument("--devices", default="1", help="local devices to split the target over, tensor-parallel (a count, "
                     "or 'all'), as generate's --devices")
-    ap.add_argument("--profile", default=None, help="write a jax.profiler trace of 8 forced DDTree steps here")
+    ap.add_argument("--profile", default=None, help="write jax.profiler traces into this new folder: 8 AR steps "
+                    "(DIR/ar), 8 forced steps of the first tree engine (DIR/ddtree-22), one warm prefill per chunk "
+                    "size (DIR/prefill-CHUNK); each summarized per GPU into the JSON's profile and printed")
     ap.add_argument("--prefill_lens", default="512,8192,32768", help="prompt lengths of the prefill section")
     ap.add_argument("--prefill_chunks", default=None,
                     help="prefill chunk sizes of the prefill section, comma-separated multiples of 64 (default: the "
@@ -441,6 +437,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         chunks = [check_prefill_chunk(c) for c in int_list(args.prefill_chunks, "--prefill_chunks")]
     if args.prefill_calls < 1:
         raise SystemExit(f"--prefill_calls {args.prefill_calls}: at least one warm call is needed")
+    if args.profile and any(Path(args.profile).rglob("*.xplane.pb")):
+        raise SystemExit(f"--profile {args.profile}: holds an earlier run's traces, which would be summed with this "
+                         "run's: give a new or empty folder")
     t_start = time.perf_counter()
     over = lambda: args.time_limit and time.perf_counter() - t_start > args.time_limit  # noqa: E731
     res: dict = {"model": args.model, "args": vars(args) | {"out": str(args.out)}}
@@ -457,6 +456,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     if "ttft" in sections:  # first: JAX takes most of a GPU's memory in the first process that uses it
         res["ttft"] = cold_ttft(argv, log)
     res = {**environment(), **res}
+    if args.profile:
+        res["profile"] = {}
     save()
     if sections <= {"ttft"}:
         return finish(res, compiles, save, t_start)
@@ -476,9 +477,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     # on several devices made straight into its shards, which every engine of the run shares
     target, draft, info = make_models(args.model, kcfg, log, pcfg)
     build = functools.partial(engine_for, parallel=pcfg, kcfg=kcfg)  # every engine of the run: on --devices
-    res["models"] = info | {"memory_after_load": memory()}
+    weights = target.weights if isinstance(target, ShardedTarget) else target
+    res["models"] = info | {"memory_after_load": memory(),
+                            "accounting": memory_accounting({"target": weights, "drafter": draft})}
     log(f"models made in {info['make_s']:.0f} s: target {info['target_device_bytes'] / 1e9:.2f} GB on device, "
-        f"drafter {info['draft_device_bytes'] / 1e9:.2f} GB; {res['models']['memory_after_load']}")
+        f"drafter {info['draft_device_bytes'] / 1e9:.2f} GB")
+    log(memory_line("after the models", res["models"]["accounting"]))
     save()
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, target.config.vocab_size, args.prompt_len).tolist()
@@ -506,8 +510,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 del state
         save()
     if sections & {"ar", "forced", "steps"}:  # the forced runs follow the AR's greedy continuation
-        sequence, ar_ms = time_ar(args, build(target, draft, dataclasses.replace(base, mode="ar")), prompt,
-                                  floor_ms, res, log)
+        ar = build(target, draft, dataclasses.replace(base, mode="ar"))
+        sequence, ar_ms = time_ar(args, ar, prompt, floor_ms, res, log)
+        if args.profile:
+            res["profile"]["ar"] = trace_decode(ar, prompt, args, log)
+        del ar
         save()
 
     # Forced acceptance at DDTree-22: tokens/s at each acceptance length
@@ -529,7 +536,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 f"{row['speedup']:.2f} x AR, error rate {row['error_rate']:.4f}, {len(tries)} tries")
             save()
         if args.profile:
-            res["profile"] = trace_steps(engine, draft, prompt, sequence, rate_for_steps, args, log)
+            engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
+            res["profile"][trace_label(engine)] = trace_decode(engine, prompt, args, log)
 
     if sections & {"ar", "forced", "steps", "long"}:
         res["memory_after_max_ctx_runs"] = memory()
@@ -546,6 +554,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 engine = build(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
                 row[f"{mode}_state_bytes"] = tree_bytes(state)
+                row[f"{mode}_accounting"] = memory_accounting({"target": weights, "drafter": draft, "state": state})
+                log(memory_line(f"with the {mode} state of context {ctx}", row[f"{mode}_accounting"]))
                 if mode == "ddtree" and args.long_phases:
                     row["phases_ms"] = phase_times(engine, fake_context(state, length), args.iters)
                     state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)
@@ -574,8 +584,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
             else:
                 phases = None
             row, _ = forced_run(engine, draft, prompt, sequence, rate_for_steps, args.n_gen)
-            if args.profile and "profile" not in res:
-                res["profile"] = trace_steps(engine, draft, prompt, sequence, rate_for_steps, args, log)
+            if args.profile and not set(res["profile"]) - {"ar"}:  # the first tree engine's steps
+                engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
+                res["profile"][trace_label(engine)] = trace_decode(engine, prompt, args, log)
             row = dict(mode=mode, budget=budget, phases_ms=phases, step_ms=row["ms_per_step"],
                        step_over_ar=row["ms_per_step"] / ar_ms, accept_length=row["accept_length"],
                        tokens_per_s=row["tokens_per_s"], follows_sequence=row["follows_sequence"],
@@ -606,10 +617,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 break
             if engine is None or engine.ecfg.prefill_chunk != chunk:
                 engine = build(target, draft, dataclasses.replace(base, mode="ar", max_ctx=ctx, prefill_chunk=chunk))
-            row = time_prefill(engine, rng.integers(0, target.config.vocab_size, length).tolist(),
-                               args.prefill_calls, compiles)
+            ids = rng.integers(0, target.config.vocab_size, length).tolist()
+            row = time_prefill(engine, ids, args.prefill_calls, compiles)
             res["prefill"].append(row)
             log(prefill_line(row))
+            if args.profile and f"prefill-{chunk}" not in res["profile"]:  # the first length of each chunk size
+                res["profile"][f"prefill-{chunk}"] = trace_prefill(engine, ids, args, log)
             save()
 
     finish(res, compiles, save, t_start)
@@ -726,20 +739,49 @@ def ttft_line(r: dict) -> str:
             f"programs, {r['cache_hits']} found in the cache){launch}; model build {r['build_s']:.1f} s")
 
 
-def trace_steps(engine: Engine, draft, prompt: list[int], sequence: list[int], error_rate: float,
-                args: argparse.Namespace, log) -> dict:
-    """A jax.profiler trace of 8 forced steps into args.profile, summarized per GPU (gpu_step_profile.summarize:
-    span, busy, idle, collectives, kernels by time)."""
-    engine.dparams = forced_params(engine, draft, len(prompt), sequence, error_rate)
-    tracer = StepTrace(args.profile, steps=8)
+PROFILE_STEPS = 8  # decode steps a --profile trace holds
+
+
+def trace_label(engine: Engine) -> str:
+    """The name of an engine's decode trace (its folder under --profile and its key in the JSON's profile)."""
+    return "ar" if engine.ecfg.mode == "ar" else f"{engine.ecfg.mode}-{engine.ecfg.budget}"
+
+
+def trace_decode(engine: Engine, prompt: list[int], args: argparse.Namespace, log) -> dict:
+    """A jax.profiler trace of PROFILE_STEPS decode steps (after the first, which may compile; the generation halts
+    after them) into args.profile/`trace_label`, summarized per GPU (`profiled`)."""
+    label = trace_label(engine)
+    tracer = StepTrace(str(Path(args.profile) / label), steps=PROFILE_STEPS, inner=_step_limit(PROFILE_STEPS + 2))
     engine.generate(prompt, args.n_gen, NO_STOPS, on_tokens=tracer)
     tracer.close()
-    out = {gpu: summarize(events, tracer.traced_steps, top=12)
-           for gpu, events in gpu_events_by_device(args.profile).items()}
-    log(f"profile of {tracer.traced_steps} {engine.ecfg.mode}-{engine.ecfg.budget} steps written to {args.profile}"
-        + "".join(f"; {gpu}: busy {r['busy_ms']:.2f} ms, collectives {r['collective_ms']:.2f} ms a step"
-                  for gpu, r in out.items() if r.get("kernels", 1)))
-    return out
+    return profiled(label, tracer.directory, tracer.traced_steps, "step", log)
+
+
+def trace_prefill(engine: Engine, prompt: list[int], args: argparse.Namespace, log) -> dict:
+    """A jax.profiler trace of one warm prefill of `prompt` (engine.start: the prompt's chunks, the last padded, and
+    the first token) into args.profile/prefill-CHUNK, summarized per GPU per 64-token block of the chunks computed."""
+    chunk = engine.ecfg.prefill_chunk
+    label = f"prefill-{chunk}"
+    directory = Path(args.profile) / label
+    with jax.profiler.trace(str(directory)):
+        state, _ = engine.start(prompt, 2, NO_STOPS)
+        jax.block_until_ready(state)
+    del state
+    blocks = -(-len(prompt) // chunk) * chunk // PREFILL_BLOCK
+    return dict(profiled(label, str(directory), blocks, f"{PREFILL_BLOCK}-token block", log), prompt_len=len(prompt),
+                chunk=chunk)
+
+
+def profiled(label: str, directory: str, steps: int, unit: str, log) -> dict:
+    """The trace under `directory` summarized per GPU (gpu_step_profile.summarize, over `steps` of `unit`), each
+    GPU's summary logged (its categories and the 25 longest kernel names)."""
+    gpus = {gpu: summarize(events, steps) for gpu, events in gpu_events_by_device(directory).items()}
+    log(f"profile of {steps} {unit}s ({label}) written to {directory}")
+    for gpu, r in gpus.items():
+        print("\n".join(profile_lines(f"{label} {gpu}", r, 25, unit)), flush=True)
+    if not gpus:
+        log(profile_lines(label, summarize([], steps))[0])
+    return dict(dir=directory, steps=steps, unit=unit, gpus=gpus)
 
 
 def finish(res: dict, compiles: CompileLog, save, t_start: float) -> None:
@@ -777,12 +819,23 @@ def summary(res: dict) -> str:
                      f"{r['ttft_s']:>8.3f} {r['first_ttft_s']:>10.2f} {r['first_compiles']:>8} "
                      f"{r['chunk_peak_bytes'] / 2**30:>9.2f} " + (f"{'-':>8}" if peak is None else
                                                                   f"{peak / 2**30:>8.2f}"))
+    for label, p in res.get("profile", {}).items():
+        for gpu, r in p.get("gpus", {}).items():
+            if r["kernels"]:
+                lines.append(f"profile {label} {gpu}, ms a {p['unit']}: span {r['span_ms']:.2f}, busy "
+                             f"{r['busy_ms']:.2f}, idle {r['idle_ms']:.2f} ({r['launches']:.0f} launches); "
+                             + ", ".join(f"{name} {c['ms']:.2f}" for name, c in r["categories"].items()))
+    if "accounting" in res.get("models", {}):
+        lines.append(memory_line("after the models", res["models"]["accounting"]))
+    for r in res.get("long", []):
+        lines += [memory_line(f"with the {mode} state at context {r['context']}", r[f"{mode}_accounting"])
+                  for mode in ("ar", "ddtree") if f"{mode}_accounting" in r]
     lines += [ttft_line(r) for r in res.get("ttft", []) + ([res["first_token"]] if "first_token" in res else [])]
     return "\n".join(lines)
 
 
 def decode_summary(res: dict) -> list[str]:
-    """The summary's lines of the decode sections (ar, forced, steps, long, profile)."""
+    """The summary's lines of the decode sections (ar, forced, steps, long)."""
     lines = []
     read = f"; read {res['read_rate'] / 1e9:.0f} GB/s" if "read_rate" in res else ""
     lines.append(f"{res['device']} jax {res['jax']} {res['date']}; copy {res['copy_rate'] / 1e9:.0f} GB/s{read}; model "
@@ -816,10 +869,6 @@ def decode_summary(res: dict) -> list[str]:
         lines.append(f"context {r['context']}: AR {r['ar_step_ms']:.2f} ms, DDTree-{r.get('budget', 22)} "
                      f"{r['ddtree_step_ms']:.2f} ms "
                      f"({r['ddtree_over_ar']:.2f} x), peak {r['memory'].get('peak_bytes_in_use', 0) / 2**30:.1f} GiB")
-    for gpu, r in res.get("profile", {}).items():
-        if r.get("kernels", 1):
-            lines.append(f"profile {gpu}: span {r['span_ms']:.2f} ms a step, busy {r['busy_ms']:.2f}, collectives "
-                         f"{r['collective_ms']:.2f} ({r['launches']:.0f} launches)")
     if "memory_after_max_ctx_runs" in res:
         peak = res["memory_after_max_ctx_runs"].get("peak_bytes_in_use", 0)
         lines.append(f"peak device memory through the {res['args']['max_ctx']}-token runs: {peak / 2**30:.1f} GiB")

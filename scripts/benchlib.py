@@ -13,12 +13,14 @@ import platform
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
+from dflash_jax.engine.state import tree_bytes
 from dflash_jax.generate import resolve_flags
 
 
@@ -142,6 +144,59 @@ def read_rate(gib: float = 4.0) -> float:
     rate = max(x.nbytes / median_seconds(op, x, iters=20) for op in ops)
     del x
     return rate
+
+
+def memory(device: jax.Device | None = None) -> dict:
+    """Device memory in use and its peak so far (bytes), where the backend reports them (default: JAX's first
+    device)."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
+
+
+def device_buffers(arrays, device: jax.Device) -> dict[int, jax.ShapeDtypeStruct]:
+    """The buffers on `device` of these arrays (a pytree's leaves, or jax.live_arrays()), by address (a buffer two
+    arrays share is one entry), each as its shape and dtype; deleted (donated) arrays and leaves that are no arrays
+    are left out."""
+    out = {}
+    for x in arrays:
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            continue
+        for shard in x.addressable_shards:
+            if shard.device == device:
+                out[shard.data.unsafe_buffer_pointer()] = jax.ShapeDtypeStruct(shard.data.shape, x.dtype)
+    return out
+
+
+def memory_accounting(named: dict[str, Any], device: jax.Device | None = None, largest: int = 5) -> dict:
+    """Where a device's memory goes (default: JAX's first device): `memory()`; the bytes of the live arrays' buffers
+    on it (jax.live_arrays(), int4 two to a byte, as tree_bytes counts); the bytes there of each of the `named`
+    pytrees (e.g. target, drafter, state); the live bytes in none of them, and the `largest` such buffers (shape,
+    dtype, bytes); and, where the device reports its use, the bytes in use that no live array holds."""
+    device = device or jax.devices()[0]
+    live = device_buffers(jax.live_arrays(), device)
+    owned = {name: device_buffers(jax.tree.leaves(tree), device) for name, tree in named.items()}
+    others = sorted(((tree_bytes(s), s) for ptr, s in live.items() if not any(ptr in o for o in owned.values())),
+                    key=lambda item: -item[0])
+    out = dict(memory(device), live_bytes=sum(tree_bytes(s) for s in live.values()), live_buffers=len(live),
+               named={name: sum(tree_bytes(s) for s in o.values()) for name, o in owned.items()},
+               other_bytes=sum(b for b, _ in others),
+               other_largest=[dict(shape=list(s.shape), dtype=str(s.dtype), bytes=b) for b, s in others[:largest]])
+    if "bytes_in_use" in out:
+        out["not_in_live_arrays_bytes"] = out["bytes_in_use"] - out["live_bytes"]
+    return out
+
+
+def memory_line(what: str, m: dict) -> str:
+    """A `memory_accounting` in words (GB: 1e9 bytes)."""
+    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    use = (f"in use {gb(m['bytes_in_use'])} GB (peak {gb(m['peak_bytes_in_use'])}), "
+           if "peak_bytes_in_use" in m else "")
+    gap = (f"; in use but in no live array {gb(m['not_in_live_arrays_bytes'])} GB"
+           if "not_in_live_arrays_bytes" in m else "")
+    largest = ", ".join(f"{o['dtype']}{o['shape']} {gb(o['bytes'])}" for o in m["other_largest"])
+    return (f"memory {what}: {use}live arrays {gb(m['live_bytes'])} GB in {m['live_buffers']} buffers ("
+            + "".join(f"{name} {gb(b)}, " for name, b in m["named"].items()) + f"other {gb(m['other_bytes'])}"
+            + (f": largest {largest}" if largest else "") + ")" + gap)
 
 
 def gpu_events_by_device(trace_dir: str) -> dict[str, list[tuple[str, int, int]]]:

@@ -32,11 +32,21 @@ def test_fit_verify_cost_recovers_lines():
 def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     import bench
 
-    out = tmp_path / "bench.json"
-    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "ar,forced,steps", "--budgets", "4",
-                       "--no-chain", "--als", "3", "--forced_budget", "4", "--max_ctx", "256", "--prompt_len", "16",
-                       "--n_gen", "32", "--iters", "1", "--impl", "reference"])
+    out, trace = tmp_path / "bench.json", tmp_path / "trace"
+    argv = ["--model", "tiny", "--out", str(out), "--sections", "ar,forced,steps", "--budgets", "4", "--no-chain",
+            "--als", "3", "--forced_budget", "4", "--max_ctx", "256", "--prompt_len", "16", "--n_gen", "32", "--iters",
+            "1", "--impl", "reference", "--profile", str(trace)]
+    run_script(bench, argv)
     res = json.loads(out.read_text())
+    # --profile: 8 AR steps and the forced engine's steps traced, each into its folder; a CPU's trace has no GPU events
+    assert set(res["profile"]) == {"ar", "ddtree-4"}
+    for label, p in res["profile"].items():
+        assert p["dir"] == str(trace / label) and any((trace / label).rglob("*.xplane.pb")) and p["gpus"] == {}
+    assert res["profile"]["ar"]["steps"] == 8 and 0 < res["profile"]["ddtree-4"]["steps"] <= 8
+    # after the build the live arrays on the device are the two models' (one device: as their trees count them)
+    models = res["models"]
+    assert models["accounting"]["named"] == {"target": models["target_device_bytes"],
+                                             "drafter": models["draft_device_bytes"]}
     assert res["ar"]["tokens_per_s"] > 0 and 0 < res["ar"]["roofline_fraction"]
     # the roofline: the step's weights read once at the read-stream rate (not the copy rate, half writes)
     assert res["ar"]["roofline_ms"] == pytest.approx(1e3 * res["models"]["step_weight_bytes"] / res["read_rate"])
@@ -49,6 +59,10 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert res["kernels"]["impl"] == "reference" and res["engine"]["kv_type"] == "f32"  # a CPU's defaults
     printed = capsys.readouterr().out
     assert "forced DDTree-4: AL" in printed and " ddtree      4 " in printed
+    assert "ar: no GPU kernel events in the trace (a cpu run has none)" in printed
+    assert "memory after the models: live arrays" in printed
+    with pytest.raises(SystemExit, match="earlier run's traces"):  # they would be summed with the new ones
+        run_script(bench, argv)
     merged = tmp_path / "merged.json"
     run_script(bench, ["--out", str(merged), "--merge", f"{out}:steps+forced"])
     again = json.loads(merged.read_text())
@@ -66,8 +80,12 @@ def test_bench_prefill_and_ttft_on_the_tiny_synthetic_pair(tmp_path, capsys):
     out = tmp_path / "bench.json"
     run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "ttft,prefill", "--prefill_lens", "16,300",
                        "--prefill_chunks", "64,128", "--prefill_calls", "2", "--prompt_len", "16", "--max_ctx", "256",
-                       "--impl", "reference", "--jit_cache_min_s", "0"])  # every program kept: the test's CPU is fast
+                       "--impl", "reference", "--jit_cache_min_s", "0",  # every program kept: the test's CPU is fast
+                       "--profile", str(tmp_path / "trace")])
     res = json.loads(out.read_text())
+    # one warm prefill of the first length traced per chunk size, per 64-token block of the chunks it computed
+    assert {k: (p["prompt_len"], p["chunk"], p["steps"], p["unit"]) for k, p in res["profile"].items()} == {
+        "prefill-64": (16, 64, 1, "64-token block"), "prefill-128": (16, 128, 2, "64-token block")}
     rows = res["prefill"]
     # one context for all, fitting the longest prompt (a size no other test's engine has: the first calls compile)
     assert [(r["chunk"], r["prompt_len"], r["max_ctx"]) for r in rows] == [(64, 16, 512), (64, 300, 512),
@@ -280,14 +298,79 @@ def test_gpu_step_profile_counts_busy_time_as_the_union_of_kernels():
     events = [("a", 0, 4 * ms), ("b", 2 * ms, 4 * ms), ("a", 10 * ms, 2 * ms)]
     r = summarize(events, steps=2)
     assert r["span_ms"] == 6 and r["busy_ms"] == 4 and r["idle_ms"] == 2 and r["launches"] == 1.5
-    assert r["top"][0] == {"name": "a", "ms": 3.0, "launches": 1.0}
-    assert summarize([], steps=8) == {"steps": 8, "kernels": 0}
+    assert r["kernels"][0] == {"name": "a", "category": "other", "ms": 3.0, "launches": 1.0}
+    assert summarize([], steps=8) == {"steps": 8, "kernels": []}
     text = table({"device": "d", "jax": "j", "date": "t", "model": "m", "modes": {"ar": r, "ddtree": summarize([], 1)}})
-    assert "ar: span 6.00, busy 4.00, idle 2.00 (33 %), collectives 0.00, 2 launches" in text
-    assert "ddtree: no GPU kernel" in text
-    nccl = summarize([("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0, 2 * ms), ("all-gather-start", 0, ms),
-                      ("fusion_12", 0, ms)], steps=1)
-    assert nccl["collective_ms"] == 3
+    assert "ar: ms a step: span 6.00, busy 4.00, idle 2.00 (33 %), collectives 0.00, 1.5 launches; 2 steps traced" \
+        in text
+    assert "ddtree: no GPU kernel events in the trace" in text
+    # the span ends at the last kernel to end, not at the end of the last to start
+    assert summarize([("long", 0, 10 * ms), ("short", ms, ms)], steps=1)["span_ms"] == 10
+
+
+def test_gpu_step_profile_sorts_every_kernel_into_a_category():
+    """The kernel names of an H200's DDTree-22 step (gpu_step_profile_h200_exact_nov27.txt) and a 2-GPU step's
+    collectives, each in its category; the categories' sums and every name (none cut) in the summary and its table."""
+    from gpu_step_profile import CATEGORIES, category, profile_lines, summarize
+
+    names = {"qmatmul_mgpu_q4_k_mosaic_gpu_kernel": "quantized products", "gemv_int8_q6_k": "quantized products",
+             "qmatmul_q4_k": "quantized products", "gemv_q5_k": "quantized products",
+             "gdn_blocks": "delta rule", "gdn_commit": "delta rule", "tree_attention__1": "attention",
+             "tree_conv": "conv", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "collectives",
+             "psum_add_fusion": "collectives", "all-gather-start": "collectives", "reduce-scatter.3": "collectives",
+             "gemm_fusion_dot_59": "XLA GEMMs", "nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT": "XLA GEMMs",
+             "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "XLA GEMMs",
+             "cutlass_80_tensorop_s16816gemm_bf16_64x64_64x4_tn_align8": "XLA GEMMs",
+             "input_transpose_fusion_126": "layout", "loop_pad_fusion_340": "layout", "wrapped_concatenate": "layout",
+             "loop_dynamic_update_slice_fusion": "layout", "MemcpyD2D": "layout", "copy_fusion_2": "layout",
+             "triton_softmax_590": "other", "loop_add_fusion_63": "other", "input_reduce_fusion_34": "other",
+             "fusion_3002": "other",
+             "void stream_executor::cuda::Run<8ul, float, unsigned int>(float*, int, f": "other"}
+    assert {n: category(n) for n in names} == names
+    us = 1_000  # ns
+    # one event of each name, name i lasting (i + 1) us, one after another from t = 0; then a gap of 100 us
+    events = [(n, sum(range(1, i + 1)) * us, (i + 1) * us) for i, n in enumerate(names)]
+    end = sum(range(1, len(names) + 1)) * us
+    events.append(("gdn_blocks", end + 100 * us, 50 * us))  # a second launch of the delta rule, after the gap
+    r = summarize(events, steps=2)
+    assert r["launches"] == (len(names) + 1) / 2 and r["span_ms"] == (end + 150 * us) / 1e6 / 2
+    assert r["busy_ms"] == pytest.approx((end + 50 * us) / 1e6 / 2) and r["idle_ms"] == pytest.approx(100 * us / 2e6)
+    assert len(r["kernels"]) == len(names) and list(r["categories"]) == [name for name, _ in CATEGORIES]
+    expect = {}
+    for i, n in enumerate(names):
+        expect[names[n]] = expect.get(names[n], 0) + (i + 1) * us + (50 * us if n == "gdn_blocks" else 0)
+    assert {c: v["ms"] for c, v in r["categories"].items()} == pytest.approx({c: expect[c] / 2e6 for c in expect})
+    assert r["categories"]["delta rule"]["launches"] == 1.5 and r["categories"]["collectives"]["launches"] == 2
+    assert r["collective_ms"] == r["categories"]["collectives"]["ms"]
+    longest = r["kernels"][0]  # the 5th name (5 us) and its second launch
+    assert longest["name"] == "gdn_blocks" and longest["ms"] == pytest.approx((5 + 50) * us / 2e6)
+    lines = profile_lines("ddtree-22 /device:GPU:0", r, top=5)
+    assert lines[0].startswith("ddtree-22 /device:GPU:0: ms a step:")
+    assert "the 5 longest of 27 kernel names" in lines[-6]
+    assert lines[-5].split()[0] == "gdn_blocks" and len(lines) == 1 + 1 + len(CATEGORIES) + 1 + 1 + 5
+
+
+def test_memory_accounting_counts_buffers_on_the_device():
+    """benchlib.memory_accounting against known arrays: int4 two to a byte, an array named twice counted once in the
+    live total, the arrays of no named tree listed by size."""
+    import jax
+    import jax.numpy as jnp
+    from benchlib import memory_accounting, memory_line
+
+    q = jnp.zeros((64, 32), jnp.int4)  # 1024 bytes packed (jax's nbytes says 2048)
+    scales = jnp.ones((64, 3), jnp.float32)  # 768
+    state = {"k": jnp.ones((5, 7, 9), jnp.bfloat16), "length": jnp.int32(3)}  # 630 + 4
+    loose = jnp.ones((123, 457), jnp.float32)  # 224,844 bytes of no named tree
+    m = memory_accounting({"target": {"q": q, "s": scales, "none": None}, "state": state, "again": [q]},
+                          largest=10 ** 6)
+    assert m["named"] == {"target": 1024 + 768, "state": 634, "again": 1024}
+    assert {"shape": [123, 457], "dtype": "float32", "bytes": 224_844} in m["other_largest"]
+    assert m["other_bytes"] == sum(o["bytes"] for o in m["other_largest"])
+    assert m["live_bytes"] == 1024 + 768 + 634 + m["other_bytes"] and m["live_buffers"] == len(m["other_largest"]) + 4
+    before = m["other_bytes"]
+    loose.delete()
+    assert memory_accounting({"target": [q, scales]}, jax.devices()[0])["other_bytes"] == before - 224_844 + 634
+    assert memory_line("now", m).startswith("memory now: live arrays 0.00 GB in ")
 
 
 def test_qmatmul_sass_reads_the_kernel_ir_and_its_loops():
@@ -464,6 +547,9 @@ def test_bench_long_with_a_block_kv_type(tmp_path):
     res = json.loads(out.read_text())
     row, = res["long"]
     assert res["engine"]["kv_type"] == "q4_0" and row["context"] == 300
+    for mode in ("ar", "ddtree"):  # each state's buffers on the device, as its tree counts them (q4_0's blocks too)
+        named = row[f"{mode}_accounting"]["named"]
+        assert named["state"] == row[f"{mode}_state_bytes"] and named["target"] == res["models"]["target_device_bytes"]
     assert row["ar_step_ms"] > 0 and row["ddtree_step_ms"] > 0 and row["phases_ms"]["verify"] > 0
     run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "long", "--long", "300", "--max_ctx", "256",
                        "--prompt_len", "16", "--steps", "2", "--impl", "reference", "--no-long_phases"])
