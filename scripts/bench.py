@@ -258,7 +258,10 @@ def fake_context(state, length: int, seed: int = 0):
         d = dataclasses.replace(d, k=tuple(rand(x, 2 + 2 * g, ring) for g, (x, ring) in enumerate(zip(d.k, d.rings))),
                                 v=tuple(rand(x, 3 + 2 * g, ring) for g, (x, ring) in enumerate(zip(d.v, d.rings))),
                                 length=placed(d.length))
-    return dataclasses.replace(state, target=t, draft=d)
+    state = dataclasses.replace(state, target=t, draft=d)
+    # every leaf committed where it lies, as a step's outputs are: a state half committed (the filled caches and the
+    # length) and half not (the rest, as `start` left it) compiled the step a second time on its second call
+    return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -391,6 +394,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=10, help="calls per phase timing (median)")
     ap.add_argument("--max_ctx", type=int, default=4096)
     ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree steps at")
+    ap.add_argument("--long_slots", type=int, default=0, metavar="N",
+                    help="time every --long context in a cache of N slots, so each mode compiles its programs once "
+                         "rather than once per context (default 0: each context its own cache of context + 512)")
     ap.add_argument("--long_phases", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the DDTree step's phases at each long context (each phase compiles alone)")
     ap.add_argument("--devices", default="1", help="local devices to split the target over, tensor-parallel (a count, "
@@ -437,6 +443,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         chunks = [check_prefill_chunk(c) for c in int_list(args.prefill_chunks, "--prefill_chunks")]
     if args.prefill_calls < 1:
         raise SystemExit(f"--prefill_calls {args.prefill_calls}: at least one warm call is needed")
+    if args.long_slots and "long" in sections:
+        longest = max(int_list(args.long, "--long"))
+        if args.long_slots < longest + 512:
+            raise SystemExit(f"--long_slots {args.long_slots}: the longest --long context ({longest}) needs "
+                             f"{longest + 512} slots (512 past it for the timed steps' commits)")
     if args.profile and any(Path(args.profile).rglob("*.xplane.pb")):
         raise SystemExit(f"--profile {args.profile}: holds an earlier run's traces, which would be summed with this "
                          "run's: give a new or empty folder")
@@ -548,8 +559,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         for length in [int(x) for x in args.long.split(",") if x]:
             if over():
                 break
-            ctx = length + 512  # room for the timed commits past the faked length
-            row = dict(context=length, budget=base.budget)
+            ctx = args.long_slots or length + 512  # room for the timed commits past the faked length
+            row = dict(context=length, slots=ctx, budget=base.budget)
             for mode in ("ar", "ddtree"):
                 engine = build(target, draft, dataclasses.replace(base, mode=mode, max_ctx=ctx))
                 state, first = engine.start(prompt, ctx - len(prompt), NO_STOPS)

@@ -536,6 +536,25 @@ def test_fill_random_takes_a_page_at_a_time(kind):
     assert not np.allclose(out[0, :3000], out[1, :3000])
 
 
+def test_bench_long_contexts_in_one_cache_compile_each_step_once(tmp_path):
+    """`--long_slots`: every context in one cache of that many slots, so the AR and DDTree steps compile once each
+    for both contexts (the random fill leaves the state committed as a step leaves it: a half-committed state
+    compiled the step again on its second call); too few slots for the longest context are refused."""
+    import bench
+
+    out = tmp_path / "long.json"
+    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "long", "--long", "300,600",
+                       "--long_slots", "1200", "--prompt_len", "16", "--steps", "2", "--impl", "reference",
+                       "--no-long_phases"])
+    res = json.loads(out.read_text())
+    assert [(r["context"], r["slots"]) for r in res["long"]] == [(300, 1200), (600, 1200)]
+    compiles = {c["name"]: c["compiles"] for c in res["compile"]}
+    assert compiles["jit(_step)"] == 2 and compiles["jit(chunk)"] == 2
+    with pytest.raises(SystemExit, match="needs 1112 slots"):
+        bench.main(["--model", "tiny", "--out", str(out), "--sections", "long", "--long", "300,600",
+                    "--long_slots", "1000"])
+
+
 def test_bench_long_with_a_block_kv_type(tmp_path):
     """`--sections long` with q4_0 on the tiny pair: AR and DDTree steps over a random cache of 300 tokens."""
     import bench
