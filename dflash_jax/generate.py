@@ -431,7 +431,8 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
                       "one-token int8 GEMVs, TF32 delta-rule products, bf16 softmax weights: NOT exact. Default: exact "
                       "(the drafter always runs fast: it cannot change the output).", flag_values=fv)
     flags.DEFINE_string("devices", "1", "Local devices (GPUs) to split the target over, tensor-parallel (a count, or "
-                        "'all'); the drafter runs whole on each (docs/architecture.md, \"Several devices\").",
+                        "'all'; with --coordinator every process's); the drafter runs whole on each "
+                        "(docs/architecture.md, \"Several devices\").",
                         flag_values=fv)
     define_process_flags(fv)
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
