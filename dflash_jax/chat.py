@@ -103,7 +103,7 @@ def run(argv: Sequence[str]) -> int:
     if f.system is not None:
         require_utf8(f.system, "--system")
     sampling = sampling_from_flags(f)
-    engine, models, target_path = engine_from_flags(argv)
+    engine, models, target_path = engine_from_flags(argv, "chat")
     chat = Conversation(engine, models.tokenizer, system=f.system, thinking=f.thinking, n_gen=f.n_gen,
                         sampling=sampling)
     print(f"dflash-jax chat: {target_path} ({f.mode}, {sampling.describe()}); Ctrl+C stops a reply, /reset starts "

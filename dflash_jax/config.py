@@ -253,14 +253,35 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The device mesh the target runs on: `devices` local devices on one axis, the target tensor-parallel over them
-    (dflash_jax/parallel.py; docs/architecture.md, "Several devices"). One device is the program without a mesh."""
+    """The device mesh the target runs on: `devices` devices on one axis, the target tensor-parallel over them
+    (dflash_jax/parallel.py; docs/architecture.md, "Several devices"). One device is the program without a mesh.
+    With a `coordinator` the devices are those of `num_processes` processes (hosts) that run the same program, this
+    one being `process_id` (dflash_jax/multihost.py; "Several hosts")."""
 
     devices: int = 1
     axis: str = "tp"  # the mesh axis's name, which the all-reduces name
+    coordinator: str | None = None  # HOST:PORT of process 0's coordination service; None: one process
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self):
         _check(isinstance(self.devices, int) and self.devices >= 1, f"devices {self.devices!r} must be at least 1")
+        if self.coordinator is None:
+            _check((self.num_processes, self.process_id) == (1, 0),
+                   f"num_processes {self.num_processes} / process_id {self.process_id} need a coordinator")
+            return
+        host, _, port = self.coordinator.rpartition(":")
+        _check(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+               f"coordinator {self.coordinator!r} should be HOST:PORT (process 0's host, a free port)")
+        _check(isinstance(self.num_processes, int) and self.num_processes >= 1,
+               f"num_processes {self.num_processes!r} must be at least 1")
+        _check(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
+               f"process_id {self.process_id!r} must be in 0..{self.num_processes - 1} (one per process)")
+
+    @property
+    def primary(self) -> bool:
+        """Whether this process is the one that prints (process 0; the only one without a coordinator)."""
+        return self.process_id == 0
 
 
 def check_prefill_chunk(chunk: int) -> int:

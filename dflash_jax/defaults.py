@@ -69,7 +69,7 @@ def host_memory() -> int | None:
 def free_memory(device: jax.Device | None = None) -> int | None:
     """Bytes a device (default: JAX's first) can still allocate: its allocator's limit less what is in use on a GPU,
     the host's available memory on a CPU (None where neither is known)."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -77,8 +77,10 @@ def free_memory(device: jax.Device | None = None) -> int | None:
 
 
 def least_free(devices: Sequence[jax.Device]) -> tuple[int | None, jax.Device]:
-    """The least free memory of some devices (`free_memory`; None where none reports it) and that device."""
-    known = [(free, d) for d in devices if (free := free_memory(d)) is not None]
+    """The least free memory of some devices (`free_memory`; None where none reports it; another process's devices,
+    which report to it, left out) and that device."""
+    known = [(free, d) for d in devices
+             if d.process_index == jax.process_index() and (free := free_memory(d)) is not None]
     return min(known, key=lambda fd: fd[0]) if known else (None, devices[0])
 
 

@@ -33,7 +33,8 @@ from dflash_jax.engine.prefill import check_tokens
 from dflash_jax.engine.sampling import SamplingParams, seed_or_drawn
 from dflash_jax.errors import USAGE_ERROR, InputError, run_main
 from dflash_jax.load import TargetFile, check_path, draft_config, load_draft, open_target, target_tokenizer
-from dflash_jax.parallel import check_split, load_split, parallel_config
+from dflash_jax.multihost import define_process_flags, own_stdout, parallel_from_flags
+from dflash_jax.parallel import check_split, load_split
 from dflash_jax.profiling import CompileLog, StepTrace
 from dflash_jax.score import read_ids
 from dflash_jax.tokenizer import Tokenizer, require_utf8
@@ -273,13 +274,14 @@ def run(argv: Sequence[str]) -> int:
 
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS
-    enable_jit_cache(f.jit_cache)
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])} (the prompt goes in --prompt or stdin)")
+    pcfg = parallel_from_flags(f, "generate", several=True)  # first: joining processes precedes all other JAX use
+    stdout = own_stdout(pcfg)
+    enable_jit_cache(f.jit_cache)
     check_profile_dir(f.profile)
     target_path, draft_path = resolve_paths(f.target, f.draft)
     ecfg, kcfg = resolve_flags(f, max_ctx=f.max_ctx or CTX_ROUND)  # checks the values; max_ctx is fitted below
-    pcfg = parallel_config(f.devices)
     sampling = sampling_from_flags(f)
     ids, text = prompt_input(f)
     log = CompileLog() if f.compile_report else None
@@ -299,10 +301,10 @@ def run(argv: Sequence[str]) -> int:
         def stream(new: list[int]) -> None:
             text = decoder.push(new)
             if text:
-                sys.stdout.write(text)
-                sys.stdout.flush()
+                stdout.write(text)
+                stdout.flush()
 
-        on_tokens = None if f.json else stream
+        on_tokens = None if f.json or not pcfg.primary else stream  # process 0 prints; the others run alike
         tracer = StepTrace(f.profile, f.profile_steps, inner=on_tokens) if f.profile is not None else None
         try:
             gen = engine.generate(ids, f.n_gen, tok.stop_ids, on_tokens=on_tokens if tracer is None else tracer,
@@ -310,6 +312,8 @@ def run(argv: Sequence[str]) -> int:
         finally:
             if tracer is not None:
                 tracer.close()  # generation ended before the traced steps were done, or raised
+    if not pcfg.primary:
+        return 0
     if f.json:
         out = dict(prompt_ids=list(map(int, ids)), tokens=gen.tokens, text=tok.decode(gen.tokens, skip_stops=True),
                    mode=f.mode, **tree_settings(ecfg, engine),
@@ -325,9 +329,10 @@ def run(argv: Sequence[str]) -> int:
             out["profile_steps"] = tracer.traced_steps
         if log is not None:
             out["compile"] = log.rows()
-        print(json.dumps(out))
+        print(json.dumps(out), file=stdout)
     else:
-        sys.stdout.write(decoder.flush() + "\n")
+        stdout.write(decoder.flush() + "\n")
+    stdout.flush()
     if f.stats:
         print(stats_line(ecfg, engine, kcfg, models, len(ids), gen, sampling), file=sys.stderr)
     if tracer is not None:
@@ -338,19 +343,19 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
-def engine_from_flags(argv: Sequence[str]):
+def engine_from_flags(argv: Sequence[str], command: str):
     """For the commands that serve many prompts (chat, serve): check the flags, load the pair, build the engine with
-    a fixed --max_ctx. Returns (engine, models, target path)."""
+    a fixed --max_ctx (in one process). Returns (engine, models, target path)."""
     from absl import flags, logging
 
     logging.set_verbosity(logging.WARNING)  # absl would print JAX's backend probing at INFO
     f = flags.FLAGS
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    pcfg = parallel_from_flags(f, command)  # first: joining other processes precedes any other use of JAX
     enable_jit_cache(f.jit_cache)
     target_path, draft_path = resolve_paths(f.target, f.draft)
     ecfg, kcfg = resolve_flags(f)
-    pcfg = parallel_config(f.devices)
     if f.n_gen >= f.max_ctx:
         raise UsageError(f"--n_gen {f.n_gen} does not fit --max_ctx {f.max_ctx}")
     models = load_models(target_path, draft_path, f.mode, kcfg, parallel=pcfg)
@@ -426,8 +431,10 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
                       "one-token int8 GEMVs, TF32 delta-rule products, bf16 softmax weights: NOT exact. Default: exact "
                       "(the drafter always runs fast: it cannot change the output).", flag_values=fv)
     flags.DEFINE_string("devices", "1", "Local devices (GPUs) to split the target over, tensor-parallel (a count, or "
-                        "'all'); the drafter runs whole on each (docs/architecture.md, \"Several devices\").",
+                        "'all'; with --coordinator every process's); the drafter runs whole on each "
+                        "(docs/architecture.md, \"Several devices\").",
                         flag_values=fv)
+    define_process_flags(fv)
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.", flag_values=fv)
 

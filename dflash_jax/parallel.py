@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax.config import FULL_ATTENTION, ConfigError, KernelConfig, ParallelConfig, TargetConfig
+from dflash_jax.config import FULL_ATTENTION, SINGLE_DEVICE, ConfigError, KernelConfig, ParallelConfig, TargetConfig
 from dflash_jax.engine.prefill import SplitTarget, split_weights
 from dflash_jax.gguf import tensor_specs
 from dflash_jax.kernels import DENSE_LIMIT, REFERENCE, prepare_matrix
@@ -40,24 +40,30 @@ REPLICATED = frozenset({"embed_tokens", "norm", "input_layernorm", "post_attenti
 
 
 def check_present(n: int) -> None:
-    """Raise ConfigError unless n local devices are present."""
-    present = jax.local_device_count()
+    """Raise ConfigError unless n devices are present (this process's; every process's once they have joined:
+    dflash_jax/multihost.py)."""
+    present = jax.device_count()
     if n > present:
-        raise ConfigError(f"--devices {n}: only {present} local device(s) present ({jax.default_backend()})")
+        where = "local " if jax.process_count() == 1 else f"in {jax.process_count()} processes, "
+        raise ConfigError(f"--devices {n}: only {present} {where}device(s) present ({jax.default_backend()})")
 
 
-def parallel_config(devices: str | int) -> ParallelConfig:
-    """The ParallelConfig of a `--devices` value: a count of local devices that are present, or "all"."""
+def parallel_config(devices: str | int, processes: ParallelConfig = SINGLE_DEVICE) -> ParallelConfig:
+    """The ParallelConfig of a `--devices` value: a count of local devices that are present, or "all"; for the
+    processes of `processes` (joined: `multihost.join`), "all" or the count of every process's devices."""
     if devices == "all":
-        return ParallelConfig(jax.local_device_count())
+        return dataclasses.replace(processes, devices=jax.device_count())
     try:
         count = int(devices)
     except (TypeError, ValueError):
         raise ConfigError(f"--devices {devices!r} should be a device count or 'all'") from None
     if count < 1:
         raise ConfigError(f"--devices {count} must be at least 1 (or 'all')")
+    if processes.coordinator is not None and count != jax.device_count():
+        raise ConfigError(f"--devices {count}: over {processes.num_processes} process(es) the target is split over "
+                          f"every device of every process, {jax.device_count()} here (pass --devices all)")
     check_present(count)
-    return ParallelConfig(count)
+    return dataclasses.replace(processes, devices=count)
 
 
 def load_split(source: TargetFile, kcfg: KernelConfig, pcfg: ParallelConfig, progress: bool = True
@@ -92,7 +98,9 @@ def dense_layout(cfg: TargetConfig, kcfg: KernelConfig) -> bool:
 
 def _dequantized(x: Any) -> Any:
     """A stored matrix as float32 numpy, dequantized on the host's CPU (another tensor as it is)."""
-    return np.asarray(dequantize(jax.device_put(x, jax.devices("cpu")[0]))) if isinstance(x, QTensor) else x
+    if not isinstance(x, QTensor):
+        return x
+    return np.asarray(dequantize(jax.device_put(x, jax.local_devices(backend="cpu")[0])))
 
 
 def split_target(model: Target | "ShardedTarget", kcfg: KernelConfig, pcfg: ParallelConfig) -> SplitTarget:
@@ -304,20 +312,21 @@ def _state_function(parallel: TargetParallel, cfg: TargetConfig, slots: int, kv_
     return jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(parallel.mesh, s), specs))
 
 
-def _place(mesh: Mesh, axis: str, shards: list[Any]) -> Any:
-    """Per-shard weight pytrees, each leaf already on its shard's device, as one of global arrays made of those
-    leaves (nothing copied): replicated leaves whole on each device, the others the shards' blocks one after the
-    other on axis 0 (the global array of a split matrix is no matrix of the model: only its blocks are read)."""
+def _place(mesh: Mesh, axis: str, shards: dict[int, Any]) -> Any:
+    """The weight pytrees of this process's shards (shard -> pytree, each leaf already on its shard's device) as one
+    of global arrays made of those leaves (nothing copied): replicated leaves whole on each device, the others the
+    shards' blocks one after the other on axis 0 (the global array of a split matrix is no matrix of the model: only
+    its blocks are read). Another process holds the other shards' blocks of the same arrays."""
     devices = list(mesh.devices.flat)
 
     def put(path, *leaves):
         whole = _replicated(path)
-        shape = leaves[0].shape if whole else (len(leaves) * leaves[0].shape[0], *leaves[0].shape[1:])
-        blocks = [jax.device_put(x, d) for x, d in zip(leaves, devices)]  # already there: no copy
+        shape = leaves[0].shape if whole else (mesh.size * leaves[0].shape[0], *leaves[0].shape[1:])
+        blocks = [jax.device_put(x, devices[s]) for x, s in zip(leaves, shards)]  # already there: no copy
         return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P() if whole else P(axis)),
                                                         blocks)
 
-    return jax.tree_util.tree_map_with_path(put, *shards)
+    return jax.tree_util.tree_map_with_path(put, *shards.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +344,8 @@ class ShardedTarget(SplitTarget):
         return _state_function(self.parallel, cfg, slots, kv_type, v_type)()
 
     def replicated(self, tree: Any) -> Any:
-        """A pytree of arrays copied whole onto every device of the mesh (the drafter's weights and state)."""
+        """A pytree of arrays copied whole onto every device of the mesh (the drafter's weights and state; over
+        several processes each copies its own, the same, onto its devices)."""
         return jax.device_put(tree, NamedSharding(self.parallel.mesh, P()))
 
     @property
@@ -365,30 +375,31 @@ class ShardedTarget(SplitTarget):
     @classmethod
     def from_tensors(cls, cfg: TargetConfig, tensors: Iterable[tuple[str, Any]], kcfg: KernelConfig,
                      pcfg: ParallelConfig) -> "ShardedTarget":
-        """A target sharded over the first pcfg.devices local devices from its tensors by GGUF name, in host memory
-        as stored and taken one at a time (`load.read_target`): each is sliced on the host and each slice put on
-        its device and laid out for `kcfg` there, so a device holds its shard and one tensor's slice in the stored
-        layout, never the whole target. A tied head (no output.weight) takes each shard's rows of the embedding."""
+        """A target sharded over the first pcfg.devices devices (of every process, where several run it) from its
+        tensors by GGUF name, in host memory as stored and taken one at a time (`load.read_target`): each is sliced
+        on the host and each slice of this process's devices put on its device and laid out for `kcfg` there, so a
+        device holds its shard and one tensor's slice in the stored layout, never the whole target. A tied head (no
+        output.weight) takes each shard's rows of the embedding."""
         n, dense = pcfg.devices, dense_layout(cfg, kcfg)
         check_split(cfg, {}, n)
         check_present(n)
-        lcfg, devices = local_config(cfg, n), jax.local_devices()[:n]
-        plans = [shard_plan(cfg, n, s) for s in range(n)]
-        parts: list[dict[str, Any]] = [{} for _ in devices]
+        lcfg, devices = local_config(cfg, n), jax.devices()[:n]
+        mine = {s: d for s, d in enumerate(devices) if d.process_index == jax.process_index()}
+        plans = {s: shard_plan(cfg, n, s) for s in mine}
+        parts: dict[int, dict[str, Any]] = {s: {} for s in mine}
         for name, x in tensors:
             x = _dequantized(x) if dense and name != "token_embd.weight" else x
             check_split(cfg, {name: x}, n)
-            for s, device in enumerate(devices):
+            for s, device in mine.items():
                 piece = jax.device_put(take(plans[s], name, x), device)
                 parts[s][name] = piece if name == "token_embd.weight" else prepare_matrix(piece, kcfg)
-        graph, shards = None, []
-        for s, part in enumerate(parts):
+        graph, shards = None, {}
+        for s, part in parts.items():
             if "output.weight" not in part:
                 part["output.weight"] = prepare_matrix(take(plans[s], "output.weight", part["token_embd.weight"]),
                                                        kcfg)
             local = target.target_from_tensors(lcfg, prepare_target(part, kcfg), kcfg, head_axis=pcfg.axis)
-            graph, weights = split_weights(local)
-            shards.append(weights)
+            graph, shards[s] = split_weights(local)
             part.clear()  # the shard's module holds its arrays now
         mesh = Mesh(np.asarray(devices), (pcfg.axis,))
         parallel = TargetParallel(mesh, lcfg, pcfg.axis)

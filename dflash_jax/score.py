@@ -23,7 +23,8 @@ from dflash_jax.engine.prefill import DEFAULT_CHUNK, check_tokens, prefill_chunk
 from dflash_jax.errors import InputError, brief, run_main
 from dflash_jax.load import Target, open_target, target_tokenizer
 from dflash_jax.models.target import init_state
-from dflash_jax.parallel import check_split, load_split, parallel_config, split_target, state_device_bytes
+from dflash_jax.multihost import define_process_flags, parallel_from_flags
+from dflash_jax.parallel import check_split, load_split, split_target, state_device_bytes
 from dflash_jax.tokenizer import require_utf8
 
 
@@ -163,10 +164,10 @@ def run(argv: list[str]) -> int:
     out = out_path(f.out)
     ids = read_ids(f.ids) if f.ids is not None else None
     text = require_utf8(f.text, "--text") if f.text is not None else None
+    pcfg = parallel_from_flags(f, "score")  # first: joining other processes precedes any other use of JAX
     kv_types = resolve_engine(kv_type=f.kv_type, kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v).kv_types
     # a prefill only: the speculative modes' kernel configuration, which holds no second copy of any matrix
     kcfg = resolve_kernels("ddtree")
-    pcfg = parallel_config(f.devices)
     t0 = time.perf_counter()
     target = open_target(f.target or assets.DEFAULT_TARGET)
     check_split(target.config, {}, pcfg.devices)
@@ -212,4 +213,5 @@ if __name__ == "__main__":
     flags.DEFINE_enum("kv_type_v", None, list(KV_TYPES), "The values' KV cache type (default: --kv_type).")
     flags.DEFINE_string("devices", "1", "Local devices (GPUs) to split the target over, tensor-parallel (a count, or "
                         "'all').")
+    define_process_flags()
     app.run(main, flags_parser=lambda argv: parse_flags(argv, "score"))

@@ -92,7 +92,7 @@ def run(argv: Sequence[str]) -> int:
     f = flags.FLAGS
     sampling = default_sampling(f)  # a bad value ends here, before the address is bound
     with listen(f.host, f.port) as sock:  # a port in use or a bad host ends here, not after loading and compiling
-        engine, models, target_path = engine_from_flags(argv)
+        engine, models, target_path = engine_from_flags(argv, "serve")
         if f.warmup:
             _log("compiling (one short generation)...")
             engine.generate([0], 2)

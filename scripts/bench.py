@@ -58,7 +58,8 @@ from dflash_jax.engine.state import tree_bytes  # noqa: E402
 from dflash_jax.engine.step import emit_width, step_tree  # noqa: E402
 from dflash_jax.gguf import tensor_specs  # noqa: E402
 from dflash_jax.generate import JIT_CACHE_MIN_COMPILE_S, enable_jit_cache, fit_max_ctx, kv_cache_words  # noqa: E402
-from dflash_jax.parallel import ShardedTarget, parallel_config  # noqa: E402
+from dflash_jax.multihost import add_process_arguments, parallel_from_flags  # noqa: E402
+from dflash_jax.parallel import ShardedTarget  # noqa: E402
 from dflash_jax.models import target as target_model  # noqa: E402
 from dflash_jax.profiling import CompileLog, StepTrace  # noqa: E402
 from dflash_jax.testing import synthetic  # noqa: E402
@@ -401,6 +402,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time the DDTree step's phases at each long context (each phase compiles alone)")
     ap.add_argument("--devices", default="1", help="local devices to split the target over, tensor-parallel (a count, "
                     "or 'all'), as generate's --devices")
+    add_process_arguments(ap)
     ap.add_argument("--profile", default=None, help="write jax.profiler traces into this new folder: 8 AR steps "
                     "(DIR/ar), 8 forced steps of the first tree engine (DIR/ddtree-22), one warm prefill per chunk "
                     "size (DIR/prefill-CHUNK); each summarized per GPU into the JSON's profile and printed")
@@ -432,6 +434,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         args.out.with_suffix(".txt").write_text(summary(res) + "\n")
         print(summary(res))
         return
+    pcfg = parallel_from_flags(args, "bench.py")  # first: joining other processes precedes any other use of JAX
     clock_at_start = time.time()
     sections = set(args.sections.split(","))
     unknown = sections - set(SECTIONS + MORE_SECTIONS)
@@ -480,7 +483,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     base, kcfg = engine_settings(args)  # what `generate` runs with the same flags (a DDTree; AR rows below)
     res["engine"], res["kernels"] = dataclasses.asdict(base), dataclasses.asdict(kcfg)
     log(f"{kcfg.describe()}; {kv_cache_words(base)}, DDTree budget {base.budget}")
-    pcfg = parallel_config(args.devices)
     if pcfg.devices > 1 and args.long_phases and "long" in sections:
         raise SystemExit("--devices: a sharded target's long-context step is timed whole (add --no-long_phases); "
                          "timing its phases apart is not implemented")
