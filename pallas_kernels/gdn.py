@@ -4,8 +4,9 @@
 mask `anc` [n, n]: a verified tree is one block with the tree's mask (state read, nothing per node written), a
 prefill is T/64 blocks with the causal mask and the state carried from block to block in registers. One program
 owns one head and `block_v` columns of the state: it reads its S0 columns once, builds A = beta K K^T * decay,
-T = (I + A)^-1 (by forward substitution, `reference.unit_lower_inverse`), U, W, V' = U - W S0 and O, and writes O (and V' and gamma,
-which the commit needs; the final state only when asked). `gdn_commit` applies every GDN layer's path commit in one
+T = (I + A)^-1 (`reference.masked_block_lower_inverse`: `solve_block` dependent substitution steps solve every
+diagonal block at once, then products join them), U, W, V' = U - W S0 and O, and writes O (and V' and gamma, which
+the commit needs; the final state only when asked). `gdn_commit` applies every GDN layer's path commit in one
 launch, updating the stacked state in place: S_a = exp(gamma_a) S0 + sum over the path of
 exp(gamma_a - gamma_j) k_j v'_j^T.
 
@@ -56,8 +57,8 @@ def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
     return jnp.sum(jnp.where(at, x, 0.0), axis=axis)
 
 
-def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_ref, k_ref, v_ref, g_ref, b_ref,
-                   anc_ref, layer_ref, s0_ref, *out_refs):
+def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, precision, q_ref, k_ref, v_ref, g_ref,
+                   b_ref, anc_ref, layer_ref, s0_ref, *out_refs):
     o_ref, vn_ref, gm_ref = out_refs[:3]
     h, t = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(t * block_v, block_v)
@@ -75,7 +76,7 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
         decay = jnp.where(anc, jnp.exp(jnp.where(anc, diff, 0.0)), 0.0)
         dot = functools.partial(_dot, precision=precision)
         a = beta[:, None] * dot(k, k, tb=True) * jnp.where(eye, 0.0, decay)
-        tinv = ref.unit_lower_inverse(a)
+        tinv = ref.masked_block_lower_inverse(a, solve, dot)
         eg = jnp.exp(gamma)
         u = dot(tinv, beta[:, None] * v)
         w = dot(tinv, (beta * eg)[:, None] * k)
@@ -103,11 +104,12 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, final: bool, precision, q_
         out_refs[3][h, :, cols] = state
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "num_warps", "num_stages", "interpret",
-                                             "exact"))
+@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "solve_block", "num_warps", "num_stages",
+                                             "interpret", "exact"))
 def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
                anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None,
-               block_v: int | None = None, num_warps: int = 8, num_stages: int = 1, interpret: bool = False, exact: bool = True):
+               block_v: int | None = None, solve_block: int = ref.SOLVE_BLOCK, num_warps: int = 8,
+               num_stages: int = 1, interpret: bool = False, exact: bool = True):
     """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
 
     Returns (o [T, H, dv], v_new [T, H, dv], gamma [T, H]) and, with `final`, the state after the last token of
@@ -133,7 +135,8 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     if final:
         out_shape.append(jax.ShapeDtypeStruct((h, dk, dv), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, final, _precision(interpret, exact)),
+        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, min(solve_block, block_n), final,
+                          _precision(interpret, exact)),
         out_shape=tuple(out_shape),
         grid=(h, dv // block_v),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -144,30 +147,30 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
 
 
 def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-             anc: jax.Array, *, layer: int | jax.Array | None = None, interpret: bool = False, exact: bool = True
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+             anc: jax.Array, *, layer: int | jax.Array | None = None, interpret: bool = False, exact: bool = True,
+             **tiles) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Verify: the kernel counterpart of reference.gdn_block for N <= 64 tokens (padded to a power of two); with
-    `layer`, s0 is the stacked state [layers, H, dk, dv]."""
+    `layer`, s0 is the stacked state [layers, H, dk, dv]; `tiles`: gdn_blocks' tuning arguments (benchmarks)."""
     n = q.shape[0]
     n_pad = dot_tile(n)
     pad = lambda x: jnp.pad(x, [(0, n_pad - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     anc_pad = jnp.eye(n_pad, dtype=bool).at[:n, :n].set(anc)  # padding tokens: their own roots
     o, v_new, gamma = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, anc_pad, block_n=n_pad, final=False, layer=layer,
-                                 interpret=interpret, exact=exact)
+                                 interpret=interpret, exact=exact, **tiles)
     return o[:n], v_new[:n], gamma[:n]
 
 
 def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
                 chunk: int = 64, *, layer: int | jax.Array | None = None, interpret: bool = False,
-                exact: bool = True) -> tuple[jax.Array, jax.Array]:
+                exact: bool = True, **tiles) -> tuple[jax.Array, jax.Array]:
     """Prefill: the kernel counterpart of reference.gdn_chunked; returns (o [T, H, dv], final state). With
-    `layer`, s0 is the stacked state [layers, H, dk, dv]."""
+    `layer`, s0 is the stacked state [layers, H, dk, dv]; `tiles`: gdn_blocks' tuning arguments (benchmarks)."""
     n = q.shape[0]
     pad_n = (-n) % chunk
     pad = lambda x: jnp.pad(x, [(0, pad_n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
     o, _, _, state = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, causal, block_n=chunk, final=True, layer=layer,
-                                interpret=interpret, exact=exact)
+                                interpret=interpret, exact=exact, **tiles)
     return o[:n], state
 
 

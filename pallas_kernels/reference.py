@@ -42,6 +42,39 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, n, row, jnp.zeros_like(a))
 
 
+def masked_block_lower_inverse(a: jax.Array, block: int, matmul=None) -> jax.Array:
+    """`block_lower_inverse` written with masks, reductions and products over the whole [..., N, N] tile (no
+    slicing), so a Pallas kernel runs the same code: step i substitutes row i of every diagonal block at once (those
+    rows of a, summed, do not overlap: each lives in its own block's columns), then neighbouring blocks are joined by
+    T <- T - T C T, C the part of a below the diagonal between them. `block` >= N is `unit_lower_inverse`."""
+    n = a.shape[-1]
+    if block >= n:
+        return unit_lower_inverse(a)
+    if n % block or (n // block) & (n // block - 1):
+        raise ValueError(f"{n} rows are not {block} x a power of two")
+    matmul = matmul or functools.partial(_einsum, "...ij,...jk->...ik")
+    a = _f32(a)
+    rows = jax.lax.broadcasted_iota(jnp.int32, a.shape, a.ndim - 2)
+    cols = jax.lax.broadcasted_iota(jnp.int32, a.shape, a.ndim - 1)
+    col = jax.lax.broadcasted_iota(jnp.int32, a.shape[-1:], 0)
+    same = rows // block == cols // block
+    a_diag = jnp.where(same, a, 0.0)
+
+    def row(i, t):
+        at = rows % block == i
+        a_i = jnp.sum(jnp.where(at, a_diag, 0.0), axis=-2)  # row i of every block, in that block's columns
+        new = (col % block == i).astype(jnp.float32) - jnp.sum(a_i[..., :, None] * t, axis=-2)
+        return jnp.where(at & same, new[..., None, :], t)
+
+    t = jax.lax.fori_loop(0, block, row, jnp.zeros_like(a))
+    size = block
+    while size < n:
+        below = (rows // (2 * size) == cols // (2 * size)) & (rows // size > cols // size)
+        t = t - matmul(t, matmul(jnp.where(below, a, 0.0), t))
+        size *= 2
+    return t
+
+
 def gdn_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
               anc: jax.Array, layer: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated delta rule over N tokens whose state-sharing is given by an ancestor-or-self mask.

@@ -134,6 +134,39 @@ def test_block_lower_inverse_equals_substitution(n):
             ref.block_lower_inverse(a[:, :48, :48])
 
 
+@pytest.mark.parametrize("n,block", [(16, 4), (32, 8), (32, 16), (64, 16), (64, 8)])
+def test_masked_block_inverse_equals_sliced_and_substitution(n, block):
+    """The kernel's in-tile form of the blockwise inverse (masks and products only) against the sliced reference and
+    full substitution, on a delta-rule system under a random tree's mask and on aligned keys (beta 0.95)."""
+    _, k, _, g, beta, _ = inputs(n, n, 2, 16, 32)
+    anc = random_anc(n, n)
+    gamma = jnp.einsum("ij,jh->hi", anc.astype(jnp.float32), g)
+    below = anc & ~jnp.eye(n, dtype=bool)
+    decay = jnp.where(below, jnp.exp(jnp.where(below, gamma[:, :, None] - gamma[:, None, :], 0.0)), 0.0)
+    aligned = jnp.broadcast_to(k[:1], k.shape)
+    for keys, b in ((k, beta), (aligned, jnp.full_like(beta, 0.95))):
+        a = b.T[:, :, None] * jnp.einsum("ihd,jhd->hij", keys, keys) * decay
+        got = ref.masked_block_lower_inverse(a, block)
+        assert rel(got, ref.unit_lower_inverse(a)) < 1e-6
+        assert rel(got, ref.block_lower_inverse(a, block)) < 1e-6
+    if n == 64:
+        with pytest.raises(ValueError, match="power of two"):
+            ref.masked_block_lower_inverse(a[:, :48, :48], 16)
+
+
+@pytest.mark.parametrize("solve_block", [4, 8, 64])
+def test_kernel_solve_blocks_match_reference(solve_block):
+    """gdn_blocks with other diagonal blocks for its inverse (64: plain substitution), a tree and a prefill."""
+    x = inputs(7, 23, 3, 16, 64)
+    anc = random_anc(7, 23)
+    got = gdn.gdn_tree(*x, anc, interpret=INTERPRET, solve_block=solve_block)
+    for name, a, b in zip(("o", "v_new", "gamma"), got, ref.gdn_block(*x, anc)):
+        assert rel(a, b) < TOL, name
+    x = inputs(8, 100, 2, 16, 32)
+    for a, b in zip(gdn.gdn_chunked(*x, interpret=INTERPRET, solve_block=solve_block), ref.gdn_recurrent(*x)):
+        assert rel(a, b) < TOL
+
+
 def test_bad_block_raises():
     x = inputs(0, 24, 2, 16, 32)
     with pytest.raises(ValueError, match="power of two"):
