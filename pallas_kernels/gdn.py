@@ -51,6 +51,14 @@ def _block_v(block_n: int, exact: bool) -> int:
     return 32 if block_n <= 16 else 64
 
 
+def _solve_block(block_n: int) -> int:
+    """Rows of the diagonal blocks the inverse substitutes: 8 for a tree of up to 32 rows (48 layers of a 23-node
+    verify on an H200: 4.9 ms, against 7.1 at 16 and 7.2 by plain substitution), plain substitution for a 64-row
+    prefill block (55 ms, against 60 at 16 and 62 at 8: there the tiles' registers, not the steps, set the time;
+    scripts/results/gdn_solve_block_h200_nov28.txt)."""
+    return 8 if block_n <= 32 else block_n
+
+
 def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
     """x[i] along axis by a masked sum (Triton tensors cannot be indexed)."""
     at = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) == i
@@ -108,7 +116,7 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, p
                                              "interpret", "exact"))
 def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
                anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None,
-               block_v: int | None = None, solve_block: int = ref.SOLVE_BLOCK, num_warps: int = 8,
+               block_v: int | None = None, solve_block: int | None = None, num_warps: int = 8,
                num_stages: int = 1, interpret: bool = False, exact: bool = True):
     """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
 
@@ -127,6 +135,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     if t_len % block_n or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{t_len} tokens do not split into blocks of a power of two >= 16 (block_n={block_n})")
     block_v = min(block_v or _block_v(block_n, exact and not interpret), dv)
+    solve = solve_block or _solve_block(block_n)
     if dv % block_v or dk % 16:
         raise ValueError(f"value dim {dv} must be a multiple of block_v={block_v}, key dim {dk} of 16")
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -135,7 +144,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     if final:
         out_shape.append(jax.ShapeDtypeStruct((h, dk, dv), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, min(solve_block, block_n), final,
+        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, min(solve, block_n), final,
                           _precision(interpret, exact)),
         out_shape=tuple(out_shape),
         grid=(h, dv // block_v),
