@@ -171,8 +171,11 @@ def memory_accounting(named: dict[str, Any], device: jax.Device | None = None, l
     """Where a device's memory goes (default: JAX's first device): `memory()`; the bytes of the live arrays' buffers
     on it (jax.live_arrays(), int4 two to a byte, as tree_bytes counts); the bytes there of each of the `named`
     pytrees (e.g. target, drafter, state); the live bytes in none of them, and the `largest` such buffers (shape,
-    dtype, bytes); and, where the device reports its use, the bytes in use that no live array holds."""
+    dtype, bytes); and, where the device reports its use, the bytes in use that no live array holds, once the
+    device has finished what was queued."""
     device = device or jax.devices()[0]
+    # queued work still holds the buffers of arrays already dropped (the models' build runs seconds ahead of the GPU)
+    jax.block_until_ready(jax.live_arrays())
     live = device_buffers(jax.live_arrays(), device)
     owned = {name: device_buffers(jax.tree.leaves(tree), device) for name, tree in named.items()}
     others = sorted(((tree_bytes(s), s) for ptr, s in live.items() if not any(ptr in o for o in owned.values())),
