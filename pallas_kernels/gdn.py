@@ -144,7 +144,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     if final:
         out_shape.append(jax.ShapeDtypeStruct((h, dk, dv), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, min(solve, block_n), final,
+        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, solve, final,
                           _precision(interpret, exact)),
         out_shape=tuple(out_shape),
         grid=(h, dv // block_v),

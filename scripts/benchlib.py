@@ -174,7 +174,7 @@ def memory_accounting(named: dict[str, Any], device: jax.Device | None = None, l
     dtype, bytes); and, where the device reports its use, the bytes in use that no live array holds, once the
     device has finished what was queued."""
     device = device or jax.devices()[0]
-    # queued work still holds the buffers of arrays already dropped (the models' build runs seconds ahead of the GPU)
+    # an array dropped while work queued on it has not run keeps its buffer until that work is done
     jax.block_until_ready(jax.live_arrays())
     live = device_buffers(jax.live_arrays(), device)
     owned = {name: device_buffers(jax.tree.leaves(tree), device) for name, tree in named.items()}
