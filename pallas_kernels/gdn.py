@@ -59,6 +59,13 @@ def _solve_block(block_n: int) -> int:
     return 8 if block_n <= 32 else block_n
 
 
+# Tokens of a prefill the kernel solves at once, the state carried in registers from one to the next: a 64-row WY
+# block spends 1.09 ms a layer on an H200, its float32 64 x 64 tiles spilling (55 ms for 48 layers,
+# scripts/results/gdn_solve_block_h200_nov28.txt), while 16 rows cost 29 us a block (the AR step's one token padded to
+# 16). GPU A/B of 16 against 64 pending.
+PREFILL_SUB_BLOCK = 16
+
+
 def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
     """x[i] along axis by a masked sum (Triton tensors cannot be indexed)."""
     at = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) == i
@@ -170,7 +177,7 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
 
 
 def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
-                chunk: int = 64, *, layer: int | jax.Array | None = None, interpret: bool = False,
+                chunk: int = PREFILL_SUB_BLOCK, *, layer: int | jax.Array | None = None, interpret: bool = False,
                 exact: bool = True, **tiles) -> tuple[jax.Array, jax.Array]:
     """Prefill: the kernel counterpart of reference.gdn_chunked; returns (o [T, H, dv], final state). With
     `layer`, s0 is the stacked state [layers, H, dk, dv]; `tiles`: gdn_blocks' tuning arguments (benchmarks)."""
