@@ -2,7 +2,7 @@
 
 `gdn_blocks` runs C blocks of n tokens one after another, each block in the WY form under the ancestor-or-self
 mask `anc` [n, n]: a verified tree is one block with the tree's mask (state read, nothing per node written), a
-prefill is T/64 blocks with the causal mask and the state carried from block to block in registers. One program
+prefill is T/16 blocks with the causal mask and the state carried from block to block in registers. One program
 owns one head and `block_v` columns of the state: it reads its S0 columns once, builds A = beta K K^T * decay,
 T = (I + A)^-1 (`reference.masked_block_lower_inverse`: `solve_block` dependent substitution steps solve every
 diagonal block at once, then products join them), U, W, V' = U - W S0 and O, and writes O (and V' and gamma, which
@@ -42,27 +42,32 @@ def _precision(interpret: bool, exact: bool):
     return jax.lax.Precision.HIGHEST if interpret or exact else jax.lax.Precision.DEFAULT
 
 
-def _block_v(block_n: int, exact: bool) -> int:
+def _block_v(block_n: int, chunks: int, exact: bool) -> int:
     """State columns a program: float32 products spill a whole 128-column state out of registers, so exact takes
     32 columns for one token (16 rows) and 64 for more (48 layers on an H200: 2.6 vs 4.5 ms at one token, 6.1 vs
-    13.7 ms at 23, scripts/results/gdn_exact_block_v_h200_nov27.txt); TF32 runs fastest with the whole state."""
+    13.7 ms at 23, scripts/results/gdn_exact_block_v_h200_nov27.txt), and 16 where the program loops over a
+    prefill's blocks, the state carried in registers (a 64-token chunk's 48 layers: 7.4 ms against 23.1 at 32
+    columns, scripts/results/gdn_prefill_h200_nov28.txt); TF32 runs fastest with the whole state."""
     if not exact:
         return 128
+    if chunks > 1:
+        return 16
     return 32 if block_n <= 16 else 64
 
 
 def _solve_block(block_n: int) -> int:
     """Rows of the diagonal blocks the inverse substitutes: 8 for a tree of up to 32 rows (48 layers of a 23-node
-    verify on an H200: 4.9 ms, against 7.1 at 16 and 7.2 by plain substitution), plain substitution for a 64-row
-    prefill block (55 ms, against 60 at 16 and 62 at 8: there the tiles' registers, not the steps, set the time;
-    scripts/results/gdn_solve_block_h200_nov28.txt)."""
+    verify on an H200: 4.9 ms, against 7.1 at 16 and 7.2 by plain substitution) and a prefill's 16-token blocks
+    (7.4 ms for a 64-token chunk, against 8.5 by plain substitution, scripts/results/gdn_prefill_h200_nov28.txt);
+    plain substitution for 64 rows (55 ms, against 60 at 16 and 62 at 8: there the tiles' registers, not the steps,
+    set the time; scripts/results/gdn_solve_block_h200_nov28.txt)."""
     return 8 if block_n <= 32 else block_n
 
 
-# Tokens of a prefill the kernel solves at once, the state carried in registers from one to the next: a 64-row WY
-# block spends 1.09 ms a layer on an H200, its float32 64 x 64 tiles spilling (55 ms for 48 layers,
-# scripts/results/gdn_solve_block_h200_nov28.txt), while 16 rows cost 29 us a block (the AR step's one token padded to
-# 16). GPU A/B of 16 against 64 pending.
+# Tokens of a prefill the kernel solves at once, the state carried in registers from one block to the next: 64-row
+# WY blocks spill their float32 64 x 64 tiles out of registers. A 64-token chunk's 48 layers on an H200: 7.4 ms in
+# 16-token blocks (16 state columns a program), 26.1 ms in 32-token blocks, 51.2 ms in one 64-token block
+# (scripts/results/gdn_prefill_h200_nov28.txt).
 PREFILL_SUB_BLOCK = 16
 
 
@@ -141,7 +146,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     dv = v.shape[-1]
     if t_len % block_n or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{t_len} tokens do not split into blocks of a power of two >= 16 (block_n={block_n})")
-    block_v = min(block_v or _block_v(block_n, exact and not interpret), dv)
+    block_v = min(block_v or _block_v(block_n, t_len // block_n, exact and not interpret), dv)
     solve = solve_block or _solve_block(block_n)
     if dv % block_v or dk % 16:
         raise ValueError(f"value dim {dv} must be a multiple of block_v={block_v}, key dim {dk} of 16")
