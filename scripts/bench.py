@@ -415,6 +415,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "--jit_cache (default: off); the ttft section's processes each get one of their own")
     ap.add_argument("--jit_cache_min_s", type=float, default=JIT_CACHE_MIN_COMPILE_S,
                     help="programs compiled faster than this are not kept in --jit_cache (default: generate's)")
+    ap.add_argument("--ttft_mode", choices=("ar", "ddtree"), default="ar",
+                    help="the decoding mode whose time to first token the ttft and first_token sections take (ddtree:"
+                         " also the drafter's context and the tree step compile before the first step's tokens)")
     ap.add_argument("--time_limit", type=float, default=0, help="seconds; sections past it are skipped")
     add_engine_flags(ap)
     return ap.parse_args(argv)
@@ -500,8 +503,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, target.config.vocab_size, args.prompt_len).tolist()
     if "first_token" in sections:
-        res["first_token"] = first_token(build(target, draft, dataclasses.replace(base, mode="ar")), prompt, compiles,
-                                         info["make_s"], clock_at_start)
+        res["first_token"] = first_token(build(target, draft, dataclasses.replace(base, mode=args.ttft_mode)), prompt,
+                                         compiles, info["make_s"], clock_at_start)
         log(f"first token: TTFT {res['first_token']['ttft_s']:.2f} s after {info['make_s']:.1f} s of model build")
         save()
     # the weights read once at the read-stream rate
@@ -707,23 +710,24 @@ def prefill_line(r: dict) -> str:
             + ("" if peak is None else f", device peak so far {peak / 2**30:.2f} GiB"))
 
 
-def first_token(ar: Engine, prompt: list[int], compiles: CompileLog, build_s: float, clock_at_start: float) -> dict:
-    """This process's first AR generation of the prompt (`first_generation`): TTFT (prefill + first step, as
-    time_ar's), what compiled in it, the model build's seconds, and the wall clock (time.time) at run's start and at
-    the first step's token, for `cold_ttft`."""
+def first_token(engine: Engine, prompt: list[int], compiles: CompileLog, build_s: float, clock_at_start: float
+                ) -> dict:
+    """This process's first generation of the prompt (`first_generation`, in the engine's mode: --ttft_mode): TTFT
+    (prefill + first step, as time_ar's), what compiled in it, the model build's seconds, and the wall clock
+    (time.time) at run's start and at the first step's token, for `cold_ttft`."""
     clock = time.time()
-    gen, compiled = first_generation(ar, prompt, compiles)
+    gen, compiled = first_generation(engine, prompt, compiles)
     ttft = gen.prefill_s + gen.first_step_s
-    return dict(prompt_len=len(prompt), ttft_s=ttft, prefill_s=gen.prefill_s, build_s=build_s, **compiled,
-                clock_at_start=clock_at_start, clock_at_token=clock + ttft)
+    return dict(mode=engine.ecfg.mode, prompt_len=len(prompt), ttft_s=ttft, prefill_s=gen.prefill_s, build_s=build_s,
+                **compiled, clock_at_start=clock_at_start, clock_at_token=clock + ttft)
 
 
 def cold_ttft(argv: list[str], log) -> list[dict]:
-    """AR time to first token in two fresh processes of this script (its flags `argv`, the sections first_token),
-    sharing a new persistent compilation cache (`--jit_cache`, set as generate sets its own): the first starts with
-    it empty, the second with what the first wrote. Each row is the process's `first_token` with the seconds from
-    its launch to run's start (interpreter, imports) and from its launch to the first token less its model build (the
-    synthetic model is made on the device, where a user's process reads a GGUF)."""
+    """Time to first token (--ttft_mode) in two fresh processes of this script (its flags `argv`, the sections
+    first_token), sharing a new persistent compilation cache (`--jit_cache`, set as generate sets its own): the first
+    starts with it empty, the second with what the first wrote. Each row is the process's `first_token` with the
+    seconds from its launch to run's start (interpreter, imports) and from its launch to the first token less its
+    model build (the synthetic model is made on the device, where a user's process reads a GGUF)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_ttft_") as tmp:
         for cache in ("empty", "warm"):
@@ -747,8 +751,8 @@ def ttft_line(r: dict) -> str:
     where = f", {r['cache']} cache" if "cache" in r else ""
     launch = (f"; launch to first token {r['to_token_less_build_s']:.1f} s less the model build"
               if "to_token_less_build_s" in r else "")
-    return (f"TTFT of a fresh process{where}: {r['ttft_s']:.2f} s ({r['prompt_len']} tokens; trace "
-            f"{r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s over {r['compiles']} "
+    return (f"TTFT of a fresh process{where}: {r['ttft_s']:.2f} s ({r.get('mode', 'ar')}, {r['prompt_len']} tokens; "
+            f"trace {r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s over {r['compiles']} "
             f"programs, {r['cache_hits']} found in the cache){launch}; model build {r['build_s']:.1f} s")
 
 

@@ -71,6 +71,19 @@ def test_bench_on_the_tiny_synthetic_pair(tmp_path, capsys):
     assert (tmp_path / "merged.txt").read_text().strip() == bench.summary(again).strip()
 
 
+def test_bench_first_token_of_a_tree_engine(tmp_path, capsys):
+    """`--sections first_token --ttft_mode ddtree`: this process's first generation is a DDTree engine's, its TTFT
+    the prefill (with the drafter's context) and the first tree step, compiles included."""
+    import bench
+
+    out = tmp_path / "ddtree.json"
+    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "first_token", "--ttft_mode", "ddtree",
+                       "--prompt_len", "16", "--max_ctx", "256", "--impl", "reference"])
+    r = json.loads(out.read_text())["first_token"]
+    assert r["mode"] == "ddtree" and r["prompt_len"] == 16 and 0 < r["prefill_s"] < r["ttft_s"]
+    assert "(ddtree, 16 tokens; trace" in capsys.readouterr().out
+
+
 def test_bench_prefill_and_ttft_on_the_tiny_synthetic_pair(tmp_path, capsys):
     """`--sections ttft,prefill`: a row per chunk size and prompt length, the first call of each chunk size compiling
     (its prefill chunk once: the memory analysis finds the program compiled) and the second length nothing; two fresh
@@ -108,6 +121,7 @@ def test_bench_prefill_and_ttft_on_the_tiny_synthetic_pair(tmp_path, capsys):
         assert r["prompt_len"] == 16 and 0 < r["prefill_s"] < r["ttft_s"] and r["build_s"] > 0
         assert 0 < r["start_s"] and r["ttft_s"] < r["to_token_less_build_s"]
         assert r["compiles"] == r["cache_requests"] > 0
+    assert empty["mode"] == warm["mode"] == "ar"  # --ttft_mode's default
     assert empty["cache_hits"] == 0 and warm["cache_hits"] == warm["compiles"] == empty["compiles"]
     assert warm["compile_s"] < empty["compile_s"]
     printed = capsys.readouterr().out
