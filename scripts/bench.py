@@ -752,8 +752,9 @@ def ttft_line(r: dict) -> str:
     launch = (f"; launch to first token {r['to_token_less_build_s']:.1f} s less the model build"
               if "to_token_less_build_s" in r else "")
     return (f"TTFT of a fresh process{where}: {r['ttft_s']:.2f} s ({r.get('mode', 'ar')}, {r['prompt_len']} tokens; "
-            f"trace {r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s over {r['compiles']} "
-            f"programs, {r['cache_hits']} found in the cache){launch}; model build {r['build_s']:.1f} s")
+            f"trace {r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s over "
+            f"{r['compiles']} programs, {r['cache_hits']} found in the cache){launch}; "
+            f"model build {r['build_s']:.1f} s")
 
 
 PROFILE_STEPS = 8  # decode steps a --profile trace holds
