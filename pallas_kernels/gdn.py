@@ -77,8 +77,8 @@ def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
     return jnp.sum(jnp.where(at, x, 0.0), axis=axis)
 
 
-def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, precision, q_ref, k_ref, v_ref, g_ref,
-                   b_ref, anc_ref, layer_ref, s0_ref, *out_refs):
+def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, one: bool, precision, q_ref, k_ref,
+                   v_ref, g_ref, b_ref, anc_ref, layer_ref, s0_ref, *out_refs):
     o_ref, vn_ref, gm_ref = out_refs[:3]
     h, t = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(t * block_v, block_v)
@@ -95,9 +95,14 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, p
         diff = gamma[:, None] - gamma[None, :]
         decay = jnp.where(anc, jnp.exp(jnp.where(anc, diff, 0.0)), 0.0)
         dot = functools.partial(_dot, precision=precision)
-        a = beta[:, None] * dot(k, k, tb=True) * jnp.where(eye, 0.0, decay)
-        tinv = ref.masked_block_lower_inverse(a, solve, dot)
+        if one:  # one real token, the rest padding (k = beta = 0): A = 0, whose inverse the solve makes exactly I
+            tinv = eye.astype(jnp.float32)
+        else:
+            a = beta[:, None] * dot(k, k, tb=True) * jnp.where(eye, 0.0, decay)
+            tinv = ref.masked_block_lower_inverse(a, solve, dot)
         eg = jnp.exp(gamma)
+        # the products by T stay for one token too: without them a compiler may fold the row scalings into the next
+        # product (XLA does in interpret mode), which rounds otherwise
         u = dot(tinv, beta[:, None] * v)
         w = dot(tinv, (beta * eg)[:, None] * k)
         v_new = u - dot(w, state)
@@ -124,17 +129,18 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, p
         out_refs[3][h, :, cols] = state
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "solve_block", "num_warps", "num_stages",
-                                             "interpret", "exact"))
+@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "solve_block", "one", "num_warps",
+                                             "num_stages", "interpret", "exact"))
 def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
                anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None,
-               block_v: int | None = None, solve_block: int | None = None, num_warps: int = 8,
+               block_v: int | None = None, solve_block: int | None = None, one: bool = False, num_warps: int = 8,
                num_stages: int = 1, interpret: bool = False, exact: bool = True):
     """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
 
     Returns (o [T, H, dv], v_new [T, H, dv], gamma [T, H]) and, with `final`, the state after the last token of
     the last block along its path [H, dk, dv]. block_n must be a power of two >= 16 (pad with tokens whose
-    k, g, beta are 0 and which are nobody's ancestor). With `layer` (an operand: one compiled kernel serves every
+    k, g, beta are 0 and which are nobody's ancestor); `one`: a single block whose first token is its only real one
+    (the AR step), which needs no inverse. With `layer` (an operand: one compiled kernel serves every
     layer), s0 is the stacked state [layers, H, dk, dv] and the kernel reads that layer (a slice passed in would be
     copied out first). Default tiles: the fastest of scripts/gdn_probe.py on an H100, block_v by `_block_v`.
     """
@@ -150,13 +156,15 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     solve = solve_block or _solve_block(block_n)
     if dv % block_v or dk % 16:
         raise ValueError(f"value dim {dv} must be a multiple of block_v={block_v}, key dim {dk} of 16")
+    if one and t_len != block_n:
+        raise ValueError(f"one=True is a single block of one real token, got {t_len // block_n} blocks")
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32), jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32),
                  jax.ShapeDtypeStruct((t_len, h), jnp.float32)]
     if final:
         out_shape.append(jax.ShapeDtypeStruct((h, dk, dv), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, solve, final,
+        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, solve, final, one,
                           _precision(interpret, exact)),
         out_shape=tuple(out_shape),
         grid=(h, dv // block_v),
@@ -171,8 +179,10 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
              anc: jax.Array, *, layer: int | jax.Array | None = None, interpret: bool = False, exact: bool = True,
              **tiles) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Verify: the kernel counterpart of reference.gdn_block for N <= 64 tokens (padded to a power of two); with
-    `layer`, s0 is the stacked state [layers, H, dk, dv]; `tiles`: gdn_blocks' tuning arguments (benchmarks)."""
+    `layer`, s0 is the stacked state [layers, H, dk, dv]; `tiles`: gdn_blocks' tuning arguments (benchmarks). One
+    token (the AR step) skips the inverse (gdn_blocks' `one`), with the outputs of the full block."""
     n = q.shape[0]
+    tiles = {"one": n == 1, **tiles}
     n_pad = dot_tile(n)
     pad = lambda x: jnp.pad(x, [(0, n_pad - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     anc_pad = jnp.eye(n_pad, dtype=bool).at[:n, :n].set(anc)  # padding tokens: their own roots

@@ -167,10 +167,37 @@ def test_kernel_solve_blocks_match_reference(solve_block):
         assert rel(a, b) < TOL
 
 
+def one_token_outputs(h, dk, dv, seed=11):
+    """gdn_tree of one token (the AR step) with the inverse skipped (`one`, its default there) and with the full
+    block, and the reference's."""
+    x, anc = inputs(seed, 1, h, dk, dv), jnp.ones((1, 1), bool)
+    fast, full = (gdn.gdn_tree(*x, anc, interpret=INTERPRET, one=one) for one in (True, False))
+    return fast, full, ref.gdn_block(*x, anc)
+
+
+def test_one_token_skips_the_inverse_and_gives_the_full_blocks_bits():
+    """A = 0 for one real token, so T = I, and U, W taken without their products by T are what the products give."""
+    for name, a, b, c in zip(("o", "v_new", "gamma"), *one_token_outputs(3, 16, 64)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), name
+        assert rel(a, c) < TOL, name
+
+
 def test_bad_block_raises():
     x = inputs(0, 24, 2, 16, 32)
     with pytest.raises(ValueError, match="power of two"):
         gdn.gdn_blocks(*x, jnp.tril(jnp.ones((24, 24), bool)), block_n=24, final=True, interpret=True)
+    with pytest.raises(ValueError, match="one real token"):
+        gdn.gdn_blocks(*inputs(0, 32, 2, 16, 32), jnp.eye(16, dtype=bool), block_n=16, final=True, one=True,
+                       interpret=True)
+
+
+@pytest.mark.gpu
+def test_one_token_on_gpu_gives_the_full_blocks_bits():
+    """The AR step's delta rule at the 27B's shapes (48 value heads of 128 x 128), compiled: skipping the inverse
+    leaves every output bit as the full block computes it, so the AR step's sums stay those of before."""
+    for name, a, b, c in zip(("o", "v_new", "gamma"), *one_token_outputs(48, 128, 128)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), name
+        assert rel(a, c) < 2e-3, name
 
 
 @pytest.mark.gpu
