@@ -77,8 +77,23 @@ def _pick(x: jax.Array, i, axis: int = 0) -> jax.Array:
     return jnp.sum(jnp.where(at, x, 0.0), axis=axis)
 
 
-def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, one: bool, precision, q_ref, k_ref,
-                   v_ref, g_ref, b_ref, anc_ref, layer_ref, s0_ref, *out_refs):
+# Columns a token's packed operand holds past q, k and v: g, beta, then zeros, so that each row stays 64-byte aligned
+PACK_TAIL = 16
+
+
+def _packed(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, rows: int) -> jax.Array:
+    """The kernel's one operand [rows, H, 2 dk + dv + PACK_TAIL] float32: q, k, v, g, beta side by side, zero rows
+    past T. One XLA fusion makes it (with the ops that produce the five), where five pads of their own were five
+    launches a layer."""
+    t, h = g.shape
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    x = jnp.concatenate([f32(q), f32(k), f32(v), f32(g)[..., None], f32(beta)[..., None],
+                         jnp.zeros((t, h, PACK_TAIL - 2), jnp.float32)], axis=-1)
+    return jnp.pad(x, [(0, rows - t), (0, 0), (0, 0)])
+
+
+def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, one: bool, dk: int, dv: int,
+                   precision, x_ref, anc_ref, layer_ref, s0_ref, *out_refs):
     o_ref, vn_ref, gm_ref = out_refs[:3]
     h, t = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(t * block_v, block_v)
@@ -89,8 +104,9 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, o
 
     def block(c, state):  # state [dk, block_v]
         tok = pl.ds(c * n, n)
-        q, k = q_ref[tok, h, :], k_ref[tok, h, :]
-        v, g, beta = v_ref[tok, h, cols], g_ref[tok, h], b_ref[tok, h]
+        q, k = x_ref[tok, h, pl.ds(0, dk)], x_ref[tok, h, pl.ds(dk, dk)]
+        v = x_ref[tok, h, pl.ds(2 * dk + t * block_v, block_v)]
+        g, beta = x_ref[tok, h, 2 * dk + dv], x_ref[tok, h, 2 * dk + dv + 1]
         gamma = jnp.sum(incl * g[None, :], axis=1)  # log-decay summed along each token's path
         diff = gamma[:, None] - gamma[None, :]
         decay = jnp.where(anc, jnp.exp(jnp.where(anc, diff, 0.0)), 0.0)
@@ -129,13 +145,15 @@ def _blocks_kernel(n: int, chunks: int, block_v: int, solve: int, final: bool, o
         out_refs[3][h, :, cols] = state
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "final", "block_v", "solve_block", "one", "num_warps",
-                                             "num_stages", "interpret", "exact"))
+@functools.partial(jax.jit, static_argnames=("block_n", "final", "rows", "block_v", "solve_block", "one",
+                                             "num_warps", "num_stages", "interpret", "exact"))
 def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
                anc: jax.Array, *, block_n: int, final: bool, layer: int | jax.Array | None = None,
-               block_v: int | None = None, solve_block: int | None = None, one: bool = False, num_warps: int = 8,
-               num_stages: int = 1, interpret: bool = False, exact: bool = True):
-    """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block).
+               rows: int | None = None, block_v: int | None = None, solve_block: int | None = None,
+               one: bool = False, num_warps: int = 8, num_stages: int = 1, interpret: bool = False,
+               exact: bool = True):
+    """T = C * block_n tokens in C blocks under the mask anc [block_n, block_n] (shapes as reference.gdn_block);
+    with `rows`, the inputs' tokens padded with zero tokens to that many (T = rows), in the packing of the operand.
 
     Returns (o [T, H, dv], v_new [T, H, dv], gamma [T, H]) and, with `final`, the state after the last token of
     the last block along its path [H, dk, dv]. block_n must be a power of two >= 16 (pad with tokens whose
@@ -150,6 +168,9 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
         raise ValueError(f"a state {s0.shape} with a layer: give the stacked state [layers, H, dk, dv]")
     t_len, h, dk = q.shape
     dv = v.shape[-1]
+    t_len = t_len if rows is None else rows
+    if t_len < q.shape[0]:
+        raise ValueError(f"rows={rows} is fewer than the {q.shape[0]} tokens given")
     if t_len % block_n or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{t_len} tokens do not split into blocks of a power of two >= 16 (block_n={block_n})")
     block_v = min(block_v or _block_v(block_n, t_len // block_n, exact and not interpret), dv)
@@ -158,21 +179,20 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
         raise ValueError(f"value dim {dv} must be a multiple of block_v={block_v}, key dim {dk} of 16")
     if one and t_len != block_n:
         raise ValueError(f"one=True is a single block of one real token, got {t_len // block_n} blocks")
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32), jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32),
                  jax.ShapeDtypeStruct((t_len, h), jnp.float32)]
     if final:
         out_shape.append(jax.ShapeDtypeStruct((h, dk, dv), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, solve, final, one,
+        functools.partial(_blocks_kernel, block_n, t_len // block_n, block_v, solve, final, one, dk, dv,
                           _precision(interpret, exact)),
         out_shape=tuple(out_shape),
         grid=(h, dv // block_v),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdn_blocks",
-    )(f32(q), f32(k), f32(v), f32(g), f32(beta), anc.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
-      f32(s0))
+    )(_packed(q, k, v, g, beta, t_len), anc.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+      s0.astype(jnp.float32))
 
 
 def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, s0: jax.Array,
@@ -184,9 +204,8 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
     n = q.shape[0]
     tiles = {"one": n == 1, **tiles}
     n_pad = dot_tile(n)
-    pad = lambda x: jnp.pad(x, [(0, n_pad - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     anc_pad = jnp.eye(n_pad, dtype=bool).at[:n, :n].set(anc)  # padding tokens: their own roots
-    o, v_new, gamma = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, anc_pad, block_n=n_pad, final=False, layer=layer,
+    o, v_new, gamma = gdn_blocks(q, k, v, g, beta, s0, anc_pad, block_n=n_pad, final=False, layer=layer, rows=n_pad,
                                  interpret=interpret, exact=exact, **tiles)
     return o[:n], v_new[:n], gamma[:n]
 
@@ -197,11 +216,9 @@ def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     """Prefill: the kernel counterpart of reference.gdn_chunked; returns (o [T, H, dv], final state). With
     `layer`, s0 is the stacked state [layers, H, dk, dv]; `tiles`: gdn_blocks' tuning arguments (benchmarks)."""
     n = q.shape[0]
-    pad_n = (-n) % chunk
-    pad = lambda x: jnp.pad(x, [(0, pad_n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-    o, _, _, state = gdn_blocks(*map(pad, (q, k, v, g, beta)), s0, causal, block_n=chunk, final=True, layer=layer,
-                                interpret=interpret, exact=exact, **tiles)
+    o, _, _, state = gdn_blocks(q, k, v, g, beta, s0, causal, block_n=chunk, final=True, layer=layer,
+                                rows=n + (-n) % chunk, interpret=interpret, exact=exact, **tiles)
     return o[:n], state
 
 
