@@ -354,20 +354,17 @@ def bench_gdn(stream: float, n: int = 23, exact: bool = True) -> list[dict]:
 
     leaf = jnp.int32(n - 1)
     tree, chunked = (functools.partial(f, exact=exact) for f in (gdn.gdn_tree, gdn.gdn_chunked))
-    for name, run in (("gdn verify", verify_all(tree)), ("XLA reference verify", verify_all(ref.gdn_block))):
-        t = median_seconds(run, per_layer, ssm)
-        rows.append(dict(kernel=name, n=n, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
-                         **_kernel_times(run, per_layer, ssm)))
-        print(f"  {name:22s} N={n} x {layers} layers {t*1e6:8.1f} us = {t / ar_s:5.3f} of the AR step's weight "
-              f"streaming ({ar_s*1e6:.0f} us)" + _kernel_note(rows[-1], "gdn"), flush=True)
     one = [{name: a[:1] for name, a in x.items()} for x in per_layer]  # the AR step's token
-    run = jax.jit(lambda xs, ssm: [tree(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i], jnp.ones((1, 1), bool))
-                                   for i, x in enumerate(xs)])
-    t = median_seconds(run, one, ssm)
-    rows.append(dict(kernel="gdn one token", n=1, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
-                     **_kernel_times(run, one, ssm)))
-    print(f"  {'gdn one token':22s} N=1 x {layers} layers {t*1e6:8.1f} us = {t / ar_s:5.3f} of the AR step's weight "
-          f"streaming ({ar_s*1e6:.0f} us)" + _kernel_note(rows[-1], "gdn"), flush=True)
+    one_run = jax.jit(lambda xs, ssm: [tree(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i], jnp.ones((1, 1), bool))
+                                       for i, x in enumerate(xs)])
+    for name, run, xs, tokens in (("gdn verify", verify_all(tree), per_layer, n),
+                                  ("XLA reference verify", verify_all(ref.gdn_block), per_layer, n),
+                                  ("gdn one token", one_run, one, 1)):
+        t = median_seconds(run, xs, ssm)
+        rows.append(dict(kernel=name, n=tokens, layers=layers, us=t * 1e6, ar_weights_us=ar_s * 1e6, of_ar=t / ar_s,
+                         **_kernel_times(run, xs, ssm)))
+        print(f"  {name:22s} N={tokens} x {layers} layers {t*1e6:8.1f} us = {t / ar_s:5.3f} of the AR step's weight "
+              f"streaming ({ar_s*1e6:.0f} us)" + _kernel_note(rows[-1], "gdn"), flush=True)
     tokens64 = [{name: jnp.concatenate([a, a, a])[:64] for name, a in x.items()} for x in per_layer]
     def prefill_all(fn):
         return jax.jit(lambda xs, ssm: [fn(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm[i])
