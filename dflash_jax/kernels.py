@@ -11,6 +11,7 @@ static argument of every jitted caller, so each configuration compiles its own f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -84,6 +85,29 @@ def linear(x: jax.Array, w: Any, kcfg: KernelConfig) -> jax.Array:
              for i in range(0, rows.shape[0], qm.M_MAX)]
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return out.reshape(*lead, w.shape[0])
+
+
+def linears(x: jax.Array, ws: Sequence[Any], kcfg: KernelConfig) -> list[jax.Array]:
+    """[linear(x, w, kcfg) for w in ws], bit for bit, with the weights that share a `qmatmul.launch_key` (the Mosaic
+    GPU layout, one format and K: an MLP's gate and up, an attention's q and k) multiplied in one launch each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, w in enumerate(ws):
+        key = qm.launch_key(w) if isinstance(w, qm.PackedWeight) else None
+        groups.setdefault(key if key is not None else ("alone", i), []).append(i)
+    out: list[Any] = [None] * len(ws)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = linear(x, ws[idx[0]], kcfg)
+            continue
+        pws = tuple(ws[i] for i in idx)
+        parts = [qm.qmatmul_many(rows[r:r + qm.M_MAX], pws, interpret=kcfg.interpret, exact=kcfg.exact)
+                 for r in range(0, rows.shape[0], qm.M_MAX)]
+        for j, i in enumerate(idx):
+            y = parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], axis=0)
+            out[i] = y.reshape(*lead, pws[j].shape[0])
+    return out
 
 
 def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax.Array | kvq.KVBlocks,

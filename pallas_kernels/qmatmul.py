@@ -108,6 +108,27 @@ def qmatmul_reference(x: jax.Array, pw: PackedWeight, *, exact: bool = True) -> 
     return qmatmul_triton.mma_reference(x, pw)
 
 
+def launch_key(pw: PackedWeight) -> tuple | None:
+    """What weights multiplied by one x in one launch (`qmatmul_many`) must share: the Mosaic GPU layout alone, its
+    format, K and default K splits; None for a weight that always takes its own launch."""
+    if not pw.mgpu_only:
+        return None
+    return pw.fmt, pw.shape[1], qmatmul_mgpu.default_splits(*pw.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "exact"))
+def qmatmul_many(x: jax.Array, pws: tuple[PackedWeight, ...], *, interpret: bool = False, exact: bool = True
+                 ) -> list[jax.Array]:
+    """[qmatmul(x, pw) for pw in pws], bit for bit: in one launch of the Mosaic GPU kernel where the weights share a
+    `launch_key` (an MLP's gate and up), else a launch each."""
+    keys = {launch_key(pw) for pw in pws}
+    if interpret or None in keys or len(keys) > 1:
+        return [qmatmul(x, pw, interpret=interpret, exact=exact) for pw in pws]
+    if x.shape[0] > M_MAX:
+        raise ValueError(f"qmatmul takes at most {M_MAX} rows, got {x.shape[0]}")
+    return MGPU_MODULES[pws[0].fmt].qmatmul_many(x, tuple(pw.mgpu for pw in pws))
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "exact", "block_n", "columns", "splits", "num_warps",
                                              "num_stages"))
 def qmatmul(x: jax.Array, pw: PackedWeight, *, interpret: bool = False, exact: bool = True,

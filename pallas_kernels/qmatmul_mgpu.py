@@ -328,40 +328,60 @@ def _specs(t: int, at) -> list:
             plgpu.BlockSpec((SCALE_WORDS, ROWS), lambda i: at(i)[::-1], delay_release=1)]
 
 
-def _body(t: int, steps: int, stages: int, multiply, extra_specs: tuple, *refs):
-    """A program per (row tile, K split), `steps` super-blocks each. `refs`: the quants, x and scales in GMEM, any
-    further inputs (`extra_specs`), the output [splits, N, t], its SMEM tile; `multiply(*input_smem, acc_ref)` one
-    step."""
-    *gmem, o_gmem, o_smem = refs
+def _body(t: int, steps: int, stages: int, multiply, extra_specs: tuple, starts: tuple[int, ...], *refs):
+    """A program per (row tile, K split), `steps` super-blocks each, over the row tiles of one or more weights side
+    by side (weight j's first tile is `starts[j]`). `refs`: x in GMEM, each weight's quants, scales and further
+    inputs (`extra_specs`), the output [splits, N, t] (the weights' rows in order), its SMEM tile;
+    `multiply(*input_smem, acc_ref)` one step. A program computes what it computes for that weight alone."""
+    x_gmem, *fields, o_gmem, o_smem = refs
     ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
-    at = lambda i: (ni, si * steps + i)  # noqa: E731
+    per = len(fields) // len(starts)
 
-    def compute(acc_ref):
-        plgpu.emit_pipeline(lambda _, *smem: multiply(*smem, acc_ref), grid=(steps,),
-                            in_specs=_specs(t, at) + [spec(t, at) for spec in extra_specs],
-                            max_concurrent_steps=stages)(*gmem)
-        return acc_ref[...]
+    def program(start: int, quants, scales, *extra):
+        at = lambda i: (ni - start, si * steps + i)  # noqa: E731
 
-    o_smem[...] = pl.run_scoped(compute, plgpu.ACC((ROWS, t), jnp.float32))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * ROWS, ROWS)])
-    plgpu.wait_smem_to_gmem(0)
+        def compute(acc_ref):
+            plgpu.emit_pipeline(lambda _, *smem: multiply(*smem, acc_ref), grid=(steps,),
+                                in_specs=_specs(t, at) + [spec(t, at) for spec in extra_specs],
+                                max_concurrent_steps=stages)(quants, x_gmem, scales, *extra)
+            return acc_ref[...]
+
+        o_smem[...] = pl.run_scoped(compute, plgpu.ACC((ROWS, t), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * ROWS, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    if len(starts) == 1:
+        program(0, *fields)
+        return
+    for j, start in enumerate(starts):
+        mine = ni >= start if j + 1 == len(starts) else (ni >= start) & (ni < starts[j + 1])
+        pl.when(mine)(functools.partial(program, start, *fields[j * per:(j + 1) * per]))
 
 
-def grid_product(inputs: tuple, multiply, *, m: int, t: int, n: int, blocks: int, splits: int | None, stages: int,
-                 name: str, extra_specs: tuple = ()) -> jax.Array:
-    """The kernel (`_body`) on `inputs` (quants, x^T's operand of t >= m tokens, scales, then the inputs of
-    `extra_specs`, each (t, at) -> its BlockSpec): the product [m, N] float32, a program per 64 rows and K split,
-    `splits` (default `default_splits`) dividing the weight's `blocks` super-blocks, its partial products added by
-    XLA."""
-    splits = splits or default_splits(n, blocks * QK_K)
+def grid_product(x_operand: jax.Array, weights: tuple[tuple[jax.Array, ...], ...], multiply, *, m: int,
+                 rows: tuple[int, ...], blocks: int, splits: int | None, stages: int, name: str,
+                 extra_specs: tuple = ()) -> list[jax.Array]:
+    """The kernel (`_body`) on x^T's operand (t >= m tokens, `x_tokens`) and one or more weights of the same K, each
+    its fields (quants, scales, then the inputs of `extra_specs`, each (t, at) -> its BlockSpec) and `rows` rows: in
+    one launch, each weight's product [m, rows] float32, a program per 64 rows and K split, `splits` (default
+    `default_splits`, which must agree over the weights) dividing the `blocks` super-blocks, the partial products
+    added by XLA. Each product is bit for bit the one its weight alone gives."""
+    chosen = {splits or default_splits(n, blocks * QK_K) for n in rows}
+    if len(chosen) > 1:
+        raise ValueError(f"weights of {rows} rows take different default K splits {sorted(chosen)}: pass `splits`")
+    splits = chosen.pop()
     if blocks % splits:
         raise ValueError(f"{blocks} super-blocks do not split {splits} ways")
-    body = functools.partial(_body, t, blocks // splits, stages, multiply, tuple(extra_specs))
+    starts = tuple(int(s) // ROWS for s in np.cumsum((0,) + tuple(rows[:-1])))
+    n, t = sum(rows), x_operand.shape[0]
+    body = functools.partial(_body, t, blocks // splits, stages, multiply, tuple(extra_specs), starts)
     out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
                        grid=(n // ROWS, splits), grid_names=("n", "k"),
-                       scratch_types=[plgpu.SMEM((ROWS, t), jnp.float32)], kernel_name=name)(*inputs)
-    return sum_splits(out, n, m).T  # out is [splits, N, tokens]
+                       scratch_types=[plgpu.SMEM((ROWS, t), jnp.float32)],
+                       kernel_name=name)(x_operand, *(a for w in weights for a in w))
+    whole = sum_splits(out, n, m).T  # out is [splits, N, tokens]
+    return jnp.split(whole, np.cumsum(rows[:-1]), axis=1) if len(rows) > 1 else [whole]
 
 
 def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
@@ -380,7 +400,17 @@ def x_tokens(x: jax.Array, shape: tuple[int, int]) -> tuple[int, jax.Array]:
 def qmatmul(x: jax.Array, w: MgpuQ4K, *, splits: int | None = None, stages: int = STAGES) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
     per 64 weight rows and K split (`splits`, default `default_splits`), `stages` pipeline steps in flight."""
-    (m, k), (n, _) = x.shape, w.shape
-    t, xt = x_tokens(x, w.shape)
-    return grid_product((w.q, xt, w.scales), _multiply, m=m, t=t, n=n, blocks=k // QK_K, splits=splits,
-                        stages=stages, name="qmatmul_mgpu_q4_k")
+    return qmatmul_many(x, (w,), splits=splits, stages=stages)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "stages"))
+def qmatmul_many(x: jax.Array, ws: tuple[MgpuQ4K, ...], *, splits: int | None = None, stages: int = STAGES
+                 ) -> list[jax.Array]:
+    """[x @ W^T for W in ws] in one launch (weights of one K, e.g. an MLP's gate and up): each product bit for bit
+    `qmatmul`'s, their programs in one grid (`grid_product`), so one launch's ramp and tail instead of several."""
+    if len({w.shape[1] for w in ws}) > 1:
+        raise ValueError(f"the weights of one launch share K, got {[w.shape for w in ws]}")
+    _, xt = x_tokens(x, ws[0].shape)
+    return grid_product(xt, tuple((w.q, w.scales) for w in ws), _multiply, m=x.shape[0],
+                        rows=tuple(w.shape[0] for w in ws), blocks=x.shape[1] // QK_K, splits=splits, stages=stages,
+                        name="qmatmul_mgpu_q4_k")

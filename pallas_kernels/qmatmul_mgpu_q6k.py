@@ -255,7 +255,16 @@ def qmatmul(x: jax.Array, w: MgpuQ6K, *, splits: int | None = None, stages: int 
     """x [M, K] @ W^T -> [M, N] float32 for M <= 64 (padded to a multiple of 8 tokens), on a Hopper GPU: a program
     per 64 weight rows and K split (`splits`, default qmatmul_mgpu.default_splits; `grid_product`), `stages` steps in
     flight."""
-    (m, k), (n, _) = x.shape, w.shape
-    t, xt = x_tokens(x, w.shape)
-    return grid_product((w.lo, xt, w.scales, w.hi), _multiply, m=m, t=t, n=n, blocks=k // QK_K, splits=splits,
-                        stages=stages, name="qmatmul_mgpu_q6_k", extra_specs=(_hi_spec,))
+    return qmatmul_many(x, (w,), splits=splits, stages=stages)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "stages"))
+def qmatmul_many(x: jax.Array, ws: tuple[MgpuQ6K, ...], *, splits: int | None = None, stages: int = STAGES
+                 ) -> list[jax.Array]:
+    """[x @ W^T for W in ws] in one launch, each bit for bit `qmatmul`'s (qmatmul_mgpu.qmatmul_many)."""
+    if len({w.shape[1] for w in ws}) > 1:
+        raise ValueError(f"the weights of one launch share K, got {[w.shape for w in ws]}")
+    _, xt = x_tokens(x, ws[0].shape)
+    return grid_product(xt, tuple((w.lo, w.scales, w.hi) for w in ws), _multiply, m=x.shape[0],
+                        rows=tuple(w.shape[0] for w in ws), blocks=x.shape[1] // QK_K, splits=splits, stages=stages,
+                        name="qmatmul_mgpu_q6_k", extra_specs=(_hi_spec,))

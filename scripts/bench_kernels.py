@@ -21,6 +21,10 @@ qmatmul_mgpu: the Mosaic GPU kernels on the 27B's Q4_K shapes (pallas_kernels/qm
 also counts GGUF bytes (its layouts read 2.8 % and 1 % more). `--variants` options (`splits`, `stages`) apply to
 both Mosaic kernels here.
 
+qmatmul_groups: weights one x multiplies (an MLP's gate and up, a GDN layer's qkv and z, an attention's q and k) on
+the Mosaic Q4_K kernel, a launch each against one launch for the group (`qmatmul_many`, which `kernels.linears`
+takes), at each `--m`, with whether the two give the same bits.
+
 tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
 heads x 256) in one call, for each cache type of `--kv_types` (default bf16; the block types are read as stored, the
 block's own rows in the cache's type, as the model passes them); floor = the bytes it must read (K and V of the
@@ -247,6 +251,41 @@ def bench_qmatmul_mgpu(ms: list[int], stream: float, only: set[str] | None = Non
     return rows
 
 
+# weights one x multiplies, in one launch of the Mosaic kernel (kernels.linears): name, format, rows of each, K
+GROUPS = [("ffn_gate+up", "Q4_K", (17408, 17408), 5120), ("attn_qkv+gate", "Q4_K", (10240, 6144), 5120),
+          ("attn_q+k", "Q4_K", (12288, 1024), 5120)]
+
+
+def bench_qmatmul_groups(ms: list[int], stream: float, groups: list = GROUPS) -> list[dict]:
+    """Each group of weights (`GROUPS`) multiplied by one x: a launch of the Mosaic kernel per weight against one
+    launch for the group (`qmatmul_many`), whose products must be the separate launches' bit for bit."""
+    rows = []
+    for name, fmt, ns, k in groups:
+        module = mg if fmt == "Q4_K" else q6
+        one = [random_matrix(jax.random.key(j), fmt, (n, k)) for j, n in enumerate(ns)]
+        gguf_bytes = sum(q.nbytes for q in one)
+        reps = max(2, min(64, math.ceil(MIN_BYTES / gguf_bytes)))
+        copies = [tuple(module.pack(q.fmt, q.shape, q.data)
+                        for q in (one if i == 0 else [random_matrix(jax.random.key(100 * i + j), fmt, (n, k))
+                                                       for j, n in enumerate(ns)]))
+                  for i in range(reps)]
+        del one
+        runs = {"a launch each": jax.jit(lambda x, gs: [[module.qmatmul(x, w) for w in g] for g in gs]),
+                "one launch": jax.jit(lambda x, gs: [module.qmatmul_many(x, g) for g in gs])}
+        for m in ms:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+            apart, together = (runs[r](x, copies[:1])[0] for r in runs)
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(apart, together))
+            for what, run in runs.items():
+                times = _times(run, x, copies, gguf_bytes, stream)
+                rows.append(dict(kernel="qmatmul_group", matrix=name, fmt=fmt, rows=list(ns), k=k, m=m, how=what,
+                                 bitwise_equal=same, **times))
+                print(_line(name, fmt, m, what, times) + ("" if same else "  (NOT the separate launches' bits)"),
+                      flush=True)
+        del copies
+    return rows
+
+
 def _random_tree(n: int, seed: int = 0) -> jax.Array:
     """Ancestor-or-self mask of a bushy random tree of n nodes (parents within the previous 4 nodes)."""
     anc = jnp.eye(n, dtype=bool)
@@ -431,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
                          "m=M times that variant at M tokens only); with qmatmul_mgpu, the Mosaic kernels with "
                          "theirs (splits, stages)")
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
-                    choices=["qmatmul", "qmatmul_mgpu", "tree_attention", "gdn", "tree_conv"],
+                    choices=["qmatmul", "qmatmul_mgpu", "qmatmul_groups", "tree_attention", "gdn", "tree_conv"],
                     help="which kernels to time")
     ap.add_argument("--kv_types", nargs="+", choices=KV_TYPES, default=["bf16"],
                     help="tree_attention's cache types (K and V alike)")
@@ -452,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
                               shapes=shapes, exact=exact)
     if "qmatmul_mgpu" in args.kernels:
         rows += bench_qmatmul_mgpu(args.m, stream, set(args.only or ()), args.variants, shapes)
+    if "qmatmul_groups" in args.kernels:
+        rows += bench_qmatmul_groups(args.m, stream)
     if "tree_attention" in args.kernels:
         rows += bench_tree_attention(stream, args.sweep, exact=exact, kv_types=tuple(args.kv_types))
     if "gdn" in args.kernels:
@@ -462,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(dict(env, copy_rate=copy, read_rate=stream, shard=args.shard, results=rows),
                                    indent=1))
     for r in rows:
-        if r["kernel"] not in ("qmatmul", "qmatmul_mgpu", "xla_dequant_dot") and "splits" not in r:  # not a sweep
+        if r["kernel"] not in ("qmatmul", "qmatmul_mgpu", "qmatmul_group", "xla_dequant_dot") and "splits" not in r:  # not a sweep
             extra = f"  {r['floor_ratio']:.2f} of floor" if "floor_ratio" in r else ""
             extra += f"  {r['of_ar']:.3f} of AR weights" if "of_ar" in r else ""
             print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} "

@@ -2,11 +2,15 @@
 for CUDA with no GPU, how qmatmul routes to it, and (-m gpu) the compiled kernel against its reference at the 27B's
 Q4_K shapes."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax import kernels
+from dflash_jax.config import KernelConfig
 from dflash_jax.quant import dequantize
 from dflash_jax.testing.synthetic import random_matrix
 from pallas_kernels import ggml, qmatmul_triton
@@ -189,6 +193,57 @@ def test_the_mosaic_layout_alone_replaces_the_q4k_fields():
         qm.qmatmul(jnp.ones((2, 512)), pw, interpret=True)
 
 
+def launches(fn, *args) -> list[str]:
+    """The custom calls of fn(*args) lowered for CUDA: its kernels' launches, where no two are the same function
+    (the lowering calls one function for launches of one kernel and shapes)."""
+    return re.findall(r"custom_call @(\w+)", jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+
+
+def test_weights_of_one_key_share_a_launch():
+    """qmatmul_many: weights of one format and K in the Mosaic layout alone are one launch whose output holds their
+    rows side by side (one float32 [splits, N1 + N2, tokens]); weights of another format or K, or with another
+    layout, take their own launches; mismatched K or K splits are refused."""
+    gate, up = (qm.pack("Q4_K", (128, 1024), q4k(128, 1024, seed=s).data, mgpu="only") for s in (1, 2))
+    other = qm.pack("Q4_K", (192, 1024), q4k(192, 1024, seed=3).data, mgpu="only")
+    q6 = random_matrix(jax.random.key(4), "Q6_K", (64, 1024))
+    q6 = qm.pack(q6.fmt, q6.shape, q6.data, mgpu="only")
+    x = jnp.zeros((3, 1024), jnp.float32)
+    assert qm.launch_key(gate) == qm.launch_key(other) == ("Q4_K", 1024, 4) != qm.launch_key(q6)
+    assert launches(qm.qmatmul_many, x, (gate, up, other)) == ["mosaic_gpu_v2"]
+    text = jax.jit(qm.qmatmul_many).trace(x, (gate, up, other)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tensor<4x448x8xf32>" in text
+    assert launches(qm.qmatmul_many, x, (gate, q6)) == ["mosaic_gpu_v2"] * 2
+    beside = qm.pack("Q4_K", (192, 1024), q4k(192, 1024, seed=1).data, mgpu="beside")
+    assert qm.launch_key(beside) is None and len(launches(qm.qmatmul_many, x, (gate, beside))) == 2
+    shapes = [o.shape for o in jax.eval_shape(qm.qmatmul_many, x, (gate, up, other))]
+    assert shapes == [(3, 128), (3, 128), (3, 192)]
+    with pytest.raises(ValueError, match="share K"):
+        mg.qmatmul_many(x, (gate.mgpu, mgpu_pack(q4k(64, 512))))
+    # 1100 row tiles take 1 split of 6 super-blocks (`default_splits`' 2048 programs), 1 tile takes 2
+    tall, short = (mg.MgpuQ4K(jax.ShapeDtypeStruct((n, 1536), jnp.int4), jax.ShapeDtypeStruct((30, n), jnp.uint32),
+                              (n, 1536)) for n in (64 * 1100, 64))
+    with pytest.raises(ValueError, match="different default K splits"):
+        mg.qmatmul_many.trace(jnp.zeros((3, 1536)), (tall, short))
+    mg.qmatmul_many.trace(jnp.zeros((3, 1536)), (tall, short), splits=2)
+
+
+def test_linears_group_the_weights_of_one_launch():
+    """kernels.linears lowered for CUDA as `generate` runs a tree on Hopper: a GDN layer's qkv (Q6_K here), z
+    (Q4_K), and a dense b beside an MLP-like pair make one launch for the Q4_K pair, one for the Q6_K weight, an XLA
+    product for the dense one; on the reference path it is each weight's `linear`, bit for bit."""
+    mosaic = KernelConfig(impl="pallas", mgpu="only")
+    qts = [q4k(128, 1024, seed=1), q4k(64, 1024, seed=2), random_matrix(jax.random.key(3), "Q6_K", (128, 1024))]
+    pws = [kernels.prepare_matrix(qt, mosaic) for qt in qts] + [jnp.ones((48, 1024), jnp.float32)]
+    x = jax.random.normal(jax.random.key(5), (70, 1024), jnp.float32)  # two calls of at most 64 rows
+    calls = launches(lambda x, ws: kernels.linears(x, ws, mosaic), x, pws)
+    assert calls == ["mosaic_gpu_v2"] * 4  # (Q4_K pair, Q6_K) per 64-row call
+    shapes = [o.shape for o in jax.eval_shape(lambda x, ws: kernels.linears(x, ws, mosaic), x, pws)]
+    assert shapes == [(70, 128), (70, 64), (70, 128), (70, 48)]
+    dense = qts + [pws[-1]]
+    for got, w in zip(kernels.linears(x, dense, kernels.REFERENCE), dense):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels.linear(x, w, kernels.REFERENCE)))
+
+
 Q4K_27B = [(17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (5120, 6144), (12288, 5120)]
 
 
@@ -240,3 +295,15 @@ def test_the_mosaic_layout_alone_at_27b_shapes(m):
     pw = qm.pack(qt.fmt, qt.shape, qt.data, mgpu="only")
     x = jax.random.normal(jax.random.key(6), (m, 5120), jnp.float32)
     assert pw.mgpu_only and rel(qm.qmatmul(x, pw), qm.qmatmul_reference(x, pw)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 23, 64])
+@pytest.mark.parametrize("rows", [(17408, 17408), (10240, 6144), (12288, 1024, 1024)])
+def test_one_launch_is_each_weights_own_product(rows, m):
+    """At the 27B's groups (an MLP's gate and up, a GDN layer's qkv and z, an attention's q, k and v), each product
+    of the shared launch equals the weight's own launch bit for bit."""
+    ws = [mgpu_pack(q4k(n, 5120, seed=i)) for i, n in enumerate(rows)]
+    x = jax.random.normal(jax.random.key(m), (m, 5120), jnp.float32)
+    for got, w in zip(mg.qmatmul_many(x, tuple(ws)), ws):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(mg.qmatmul(x, w)))

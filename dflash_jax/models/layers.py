@@ -8,6 +8,7 @@ or a float array, docs/architecture.md "Modules"); its call runs the same pure f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ from flax import nnx
 
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import KernelConfig
-from dflash_jax.kernels import linear
+from dflash_jax.kernels import linear, linears
 from dflash_jax.quant import QTensor, dequantize, take_rows
 
 
@@ -103,6 +104,11 @@ class Linear(nnx.Module):
         return linear(x, self.weight.get_value(), kcfg)
 
 
+def products(x: jax.Array, modules: Sequence[Linear], kcfg: KernelConfig) -> list[jax.Array]:
+    """[m(x, kcfg) for m in modules], bit for bit, in as few launches as their weights allow (`kernels.linears`)."""
+    return linears(x, [m.weight.get_value() for m in modules], kcfg)
+
+
 class GatheredLinear(Linear):
     """A Linear holding a shard's rows of a matrix split over a mesh axis (inside a shard_map): its products are
     gathered along the last axis, every shard's rows in order, so each shard sees the whole product."""
@@ -145,7 +151,8 @@ class MLP(nnx.Module):
         self.gate_proj, self.up_proj, self.down_proj = Linear(gate_proj), Linear(up_proj), Linear(down_proj)
 
     def __call__(self, x: jax.Array, kcfg: KernelConfig) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, kcfg)) * self.up_proj(x, kcfg), kcfg)
+        gate, up = products(x, (self.gate_proj, self.up_proj), kcfg)
+        return self.down_proj(jax.nn.silu(gate) * up, kcfg)
 
 
 class AttentionWeights(nnx.Module):

@@ -23,8 +23,8 @@ from dflash_jax import kernels
 from dflash_jax import kv_quant as kvq
 from dflash_jax.config import FULL_ATTENTION, KernelConfig, TargetConfig
 from dflash_jax.kernels import REFERENCE
-from dflash_jax.models.layers import (MLP, AttentionWeights, Embedding, GatheredLinear, Linear, RMSNorm, rope,
-                                     weight_at, write_rows)
+from dflash_jax.models.layers import (MLP, AttentionWeights, Embedding, GatheredLinear, Linear, RMSNorm, products,
+                                     rope, weight_at, write_rows)
 from dflash_jax.quant import QTensor
 
 # GGUF tensor name inside a block -> the path of its variable in a DecoderLayer (HF's names, modeling_qwen3_5).
@@ -137,10 +137,10 @@ class GatedAttention(AttentionWeights):
         chain); writes the block's KV into `layer` of the stacked caches k/v_all [attn_layers, slots, kv_heads,
         head_dim]."""
         n, hd = u.shape[0], cfg.head_dim
-        qg = self.q_proj(u, kcfg).reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
+        qg, k, v = products(u, (self.q_proj, self.k_proj, self.v_proj), kcfg)
+        qg = qg.reshape(n, cfg.num_heads, 2 * hd)  # per head: [query | gate]
         q, gate = qg[..., :hd], qg[..., hd:].reshape(n, cfg.num_heads * hd)
-        k = self.k_proj(u, kcfg).reshape(n, cfg.num_kv_heads, hd)
-        v = self.v_proj(u, kcfg).reshape(n, cfg.num_kv_heads, hd)
+        k, v = k.reshape(n, cfg.num_kv_heads, hd), v.reshape(n, cfg.num_kv_heads, hd)
         pos = length + block.depth
         q = rope(self.q_norm(q), pos, cfg.rope_dim, cfg.rope_theta)
         k = rope(self.k_norm(k), pos, cfg.rope_dim, cfg.rope_theta)
@@ -192,7 +192,8 @@ class GatedDeltaNet(nnx.Module):
         """Projections, causal conv along each token's path (rows `conv_index`), and the delta-rule inputs."""
         n, nk, nv = u.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        conv_in = jnp.concatenate([conv_state, self.in_proj_qkv(u, kcfg)], axis=0)  # [K-1+N, C]
+        qkv, z, b, a = products(u, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a), kcfg)
+        conv_in = jnp.concatenate([conv_state, qkv], axis=0)  # [K-1+N, C]
         c = kernels.tree_conv(conv_in, conv_index, self.conv1d.get_value(), kcfg)
         q = c[:, :nk * dk].reshape(n, nk, dk)
         k = c[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
@@ -200,9 +201,9 @@ class GatedDeltaNet(nnx.Module):
         l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)  # noqa: E731
         q = jnp.tile(l2(q) * dk ** -0.5, (1, nv // nk, 1))  # tiled: value head h reads key head h mod nk
         k = jnp.tile(l2(k), (1, nv // nk, 1))
-        beta = jax.nn.sigmoid(self.in_proj_b(u, kcfg))
-        g = self.A.get_value() * jax.nn.softplus(self.in_proj_a(u, kcfg) + self.dt_bias.get_value())
-        z = self.in_proj_z(u, kcfg).reshape(n, nv, dv)
+        beta = jax.nn.sigmoid(b)
+        g = self.A.get_value() * jax.nn.softplus(a + self.dt_bias.get_value())
+        z = z.reshape(n, nv, dv)
         return q, k, v, g, beta, z, conv_in
 
     def output(self, o: jax.Array, z: jax.Array, kcfg: KernelConfig) -> jax.Array:
