@@ -235,5 +235,11 @@ def k_steps(fmt: str, n: int, k: int, block_n: int, columns: int, splits: int | 
 
 
 def sum_splits(out: jax.Array, m: int, n: int) -> jax.Array:
-    """A kernel's output [splits, rows of x, row tiles x rows] as [m, n]: the K splits' partial products added."""
-    return (out[0] if out.shape[0] == 1 else jnp.sum(out, axis=0))[:m, :n]
+    """A kernel's output [splits, rows of x, row tiles x rows] as [m, n]: the K splits' partial products added, split
+    0 first, as elementwise adds. A reduce would let XLA order the sum by the shape of the fusion it lands in (on an
+    H200 one launch of two weights gave other bits than their own launches at 23 tokens), so a product's bits would
+    depend on its neighbours and on how many rows it has."""
+    total = out[0]
+    for part in range(1, out.shape[0]):
+        total = total + out[part]
+    return total[:m, :n]
