@@ -218,6 +218,9 @@ class EngineConfig:
     draft_ctx: int | None = DRAFT_CTX
     # prompt tokens per compiled prefill call (one compiled shape per size, the last chunk padded)
     prefill_chunk: int = PREFILL_BLOCK
+    # a folder where the step's and the prefill chunk's lowered programs are kept between processes
+    # (dflash_jax/engine/programs.py; --program_cache puts it in --jit_cache's folder); "" keeps none
+    program_cache: str = ""
 
     def __post_init__(self):
         check_prefill_chunk(self.prefill_chunk)

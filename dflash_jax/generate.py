@@ -172,6 +172,16 @@ def default_jit_cache() -> str:
 JIT_CACHE_MIN_COMPILE_S = 0.5  # seconds: programs that compile faster are not kept (JAX's own default is 1 s)
 
 
+def program_folder(f) -> str:
+    """Where --program_cache keeps the lowered step and prefill chunk: `programs/` in --jit_cache's folder ("" when
+    the flag is off or the command has none)."""
+    if not getattr(f, "program_cache", False):
+        return ""
+    if not f.jit_cache:
+        raise UsageError("--program_cache keeps its programs in --jit_cache's folder: give --jit_cache a directory")
+    return os.path.join(f.jit_cache, "programs")
+
+
 def enable_jit_cache(path: str, min_compile_s: float = JIT_CACHE_MIN_COMPILE_S) -> None:
     """Keep JAX's compiled executables in path, so a second run skips compiling ("" leaves the cache off); only
     programs that took at least min_compile_s to compile are kept."""
@@ -207,7 +217,7 @@ def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_ro
     ecfg = resolve_engine(f.mode, budget=f.budget, topk=f.topk, chain_seed=f.chain_seed,
                           max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_type=f.kv_type,
                           kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v, draft_ctx=f.draft_ctx,
-                          draft_rule=f.draft_rule, prefill_chunk=f.prefill_chunk)
+                          draft_rule=f.draft_rule, prefill_chunk=f.prefill_chunk, program_cache=program_folder(f))
     kcfg = resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics)
     return ecfg, kcfg
 
@@ -437,6 +447,9 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     define_process_flags(fv)
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.", flag_values=fv)
+    flags.DEFINE_bool("program_cache", False, "Also keep the lowered decode step and prefill chunk in --jit_cache's "
+                      "folder, so that a later run skips tracing and lowering them (a warm start's largest part on a "
+                      "GPU; one device only; off until measured on a GPU).", flag_values=fv)
 
 
 def define_flags(fv=None) -> None:

@@ -413,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill_calls", type=int, default=3, help="warm calls per prefill row (median)")
     ap.add_argument("--jit_cache", default="", help="JAX's persistent compilation cache for this run, as generate's "
                     "--jit_cache (default: off); the ttft section's processes each get one of their own")
+    ap.add_argument("--program_cache", action="store_true", help="keep the lowered step and prefill chunk in "
+                    "--jit_cache's folder, as generate's --program_cache")
     ap.add_argument("--jit_cache_min_s", type=float, default=JIT_CACHE_MIN_COMPILE_S,
                     help="programs compiled faster than this are not kept in --jit_cache (default: generate's)")
     ap.add_argument("--ttft_mode", choices=("ar", "ddtree"), default="ar",

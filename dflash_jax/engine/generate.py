@@ -176,7 +176,7 @@ class Engine:
         """Commit checked ids to the target's and the drafter's states: (last logits, target state, drafter state)."""
         taps = self.drafter.taps if self.drafter else ()
         chunks = prefill_chunks(self.tsplit, self.tcfg, tstate, ids, chunk=self.ecfg.prefill_chunk, taps=taps,
-                                kcfg=self.kcfg)
+                                kcfg=self.kcfg, program_cache=self.ecfg.program_cache)
         for n, logits, tapped, tstate in chunks:
             if self.drafter:
                 dstate = self.extend(self.dweights, dstate, tapped, jnp.int32(n))

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import PREFILL_BLOCK, KernelConfig, TargetConfig, check_prefill_chunk
+from dflash_jax.engine import programs
 from dflash_jax.errors import InputError
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models import target
@@ -43,6 +44,16 @@ def chunk_function(graph: nnx.GraphDef) -> Callable:
     return jax.jit(chunk, static_argnums=(1, 5, 6), static_argnames=("kcfg",), donate_argnums=(2,))
 
 
+@functools.lru_cache(maxsize=None)
+def _bound_chunk(chunk: Callable, digest: str, cfg: TargetConfig, taps: tuple[int, ...], all_logits: bool,
+                 kcfg: KernelConfig, folder: str) -> Callable:
+    def run(weights, state, tokens, n_valid):
+        return chunk(weights, cfg, state, tokens, n_valid, taps, all_logits, kcfg=kcfg)
+
+    describe = f"prefill chunk {cfg!r} taps={taps} all_logits={all_logits} {kcfg!r} graph {digest}"
+    return programs.stored(run, describe, folder, donate=(1,), weights=(0,))
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitTarget:
     """A Target split once: its graph, its weights (`split_weights`) and its jitted prefill chunk; a sharded one's
@@ -57,6 +68,18 @@ class SplitTarget:
     def of(cls, model: Target) -> "SplitTarget":
         graph, weights = split_weights(model)
         return cls(graph, weights, chunk_function(graph))
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A digest of the graph (its modules' static attributes), for the keys of kept programs."""
+        return programs.graph_digest(self.graph)
+
+    def chunk_program(self, cfg: TargetConfig, taps: tuple[int, ...], all_logits: bool, kcfg: KernelConfig,
+                      folder: str) -> Callable:
+        """`chunk` with its static arguments bound, (weights, state, tokens, n_valid) -> its result, its lowered
+        program kept in `folder` (programs.stored; one device only, "" keeps none)."""
+        folder = folder if self.parallel is None else ""
+        return _bound_chunk(self.chunk, self.digest if folder else "", cfg, taps, all_logits, kcfg, folder)
 
     def init_state(self, cfg: TargetConfig, slots: int, kv_type: str = "f32", v_type: str | None = None
                    ) -> TargetState:
@@ -102,7 +125,8 @@ def check_room(state: TargetState, n: int) -> None:
 
 def prefill_chunks(model: Target | SplitTarget, cfg: TargetConfig, state: TargetState, ids: np.ndarray | list[int], *,
                    chunk: int = DEFAULT_CHUNK, taps: tuple[int, ...] = (), all_logits: bool = False,
-                   kcfg: KernelConfig = REFERENCE) -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
+                   kcfg: KernelConfig = REFERENCE, program_cache: str = ""
+                   ) -> Iterator[tuple[int, jax.Array, jax.Array, TargetState]]:
     """Commit a prompt chunk by chunk, yielding (real tokens n, logits, taps [chunk, n_taps, H], state) per chunk;
     consumes `state` (each chunk's state is donated to the next).
 
@@ -111,17 +135,18 @@ def prefill_chunks(model: Target | SplitTarget, cfg: TargetConfig, state: Target
     (fixed shape for a jitted consumer such as the drafter); the first n are real. Everything is checked before the
     first chunk runs, so a bad prompt leaves the state as it was. The chunk is a multiple of PREFILL_BLOCK (one
     compiled shape per size; the gated delta rule runs blockwise past one block: kernels.gdn_chunked).
+    `program_cache`: a folder that keeps the chunk's lowered program between processes (EngineConfig.program_cache).
     """
     check_prefill_chunk(chunk)
     ids = check_tokens(cfg, ids)
     check_room(state, len(ids))
     split = model if isinstance(model, SplitTarget) else SplitTarget.of(model)
+    run = split.chunk_program(cfg, taps, all_logits, kcfg, program_cache)
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
         n = len(part)
         tokens = jnp.asarray(np.pad(part, (0, chunk - n)))
-        logits, tapped, state = split.chunk(split.weights, cfg, state, tokens, jnp.int32(n), taps, all_logits,
-                                            kcfg=kcfg)
+        logits, tapped, state = run(split.weights, state, tokens, jnp.int32(n))
         yield n, (logits[:n] if all_logits else logits), tapped, state
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import DraftConfig, EngineConfig, KernelConfig, TargetConfig
+from dflash_jax.engine import programs
 from dflash_jax.engine.sampling import Sampling, draft_scores, gumbel_noise, sample
 from dflash_jax.engine.state import DecodeState
 from dflash_jax.engine.tree import Tree, accept, build_tree, chain_tree
@@ -164,12 +165,18 @@ def make_step(tcfg: TargetConfig, drafter: Drafter | None, ecfg: EngineConfig, t
     """The jitted step for one (target, drafter, engine, kernel) configuration and the graphs of the target and the
     drafter's params (`nnx.split`): (tweights, dweights, state, stop_ids, sampling) -> (state, StepOut), the state
     donated; sampling None (greedy) and a Sampling compile apart. With `parallel` (a dflash_jax.parallel.
-    TargetParallel) the step is one program over its mesh, tgraph one shard's graph and tweights all shards'."""
+    TargetParallel) the step is one program over its mesh, tgraph one shard's graph and tweights all shards'. With
+    `ecfg.program_cache` (one device) its lowered program is kept there between processes (engine/programs.py)."""
     if ecfg.mode != "ar" and drafter is None:
         raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
     if parallel is None:
-        return jax.jit(functools.partial(_step, tgraph=tgraph, dgraph=dgraph, tcfg=tcfg, drafter=drafter, ecfg=ecfg,
+        step = jax.jit(functools.partial(_step, tgraph=tgraph, dgraph=dgraph, tcfg=tcfg, drafter=drafter, ecfg=ecfg,
                                          kcfg=kcfg), donate_argnums=(2,))
+        if not ecfg.program_cache:
+            return step
+        describe = (f"step {tcfg!r} {drafter!r} {dataclasses.replace(ecfg, program_cache='')!r} {kcfg!r} "
+                    f"graphs {programs.graph_digest(tgraph, dgraph)}")
+        return programs.stored(step, describe, ecfg.program_cache, donate=(2,), weights=(0, 1))
     step = functools.partial(_step, tgraph=tgraph, dgraph=dgraph, tcfg=parallel.local, drafter=drafter, ecfg=ecfg,
                              kcfg=kcfg, axis=parallel.axis)
     return jax.jit(parallel.step(step), donate_argnums=(2,))
