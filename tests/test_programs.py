@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ROOT, TINY
 from dflash_jax.config import EngineConfig
+from dflash_jax.defaults import resolve_kernels
 from dflash_jax.engine import programs
 from dflash_jax.engine.generate import Engine
 from dflash_jax.load import load_draft, load_target
@@ -101,3 +102,22 @@ def test_generate_keeps_its_programs_between_runs(tiny_gguf_path, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in (cache / "programs").glob("*" + programs.SUFFIX)} == stored
     refused = run("--jit_cache=")
     assert refused.returncode == 2 and "--program_cache" in refused.stderr
+
+
+@pytest.mark.gpu
+def test_kept_programs_on_the_gpu_kernels(tiny_gguf_path, tmp_path):
+    """On the device's kernels (Pallas; on Hopper the Mosaic GPU products, custom calls the export must carry): a
+    DDTree engine keeps its step and chunk and, running the exported programs, emits what one without them emits."""
+    kcfg = resolve_kernels("ddtree")
+    target = load_target(tiny_gguf_path, progress=False, kcfg=kcfg)
+    draft = load_draft(TINY / "draft-full", target.config, progress=False, kcfg=kcfg)
+    ids = np.load(TINY / "tokens.npy")
+    tokens = {}
+    for folder in ("", str(tmp_path)):
+        engine = Engine.from_loaded(target, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=256,
+                                                                program_cache=folder), kcfg=kcfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            tokens[folder] = engine.generate(ids, 12).tokens
+    assert tokens[""] == tokens[str(tmp_path)]
+    assert len(list(tmp_path.glob("*" + programs.SUFFIX))) == 2
