@@ -79,12 +79,18 @@ def linear(x: jax.Array, w: Any, kcfg: KernelConfig) -> jax.Array:
         if kcfg.impl == "pallas" and getattr(w, "dtype", None) == jnp.bfloat16:
             return jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
         return reference_linear(x, w)
+    product = lambda rows: [qm.qmatmul(rows, w, interpret=kcfg.interpret, exact=kcfg.exact)]  # noqa: E731
+    return _row_blocks(x, product, (w.shape[0],))[0]
+
+
+def _row_blocks(x: jax.Array, product, widths: tuple[int, ...]) -> list[jax.Array]:
+    """x [..., K] through `product` (rows [<= qmatmul.M_MAX, K] -> a list of [rows, N_j]) a block of M_MAX rows at a
+    time: the outputs [..., N_j], N_j in `widths`."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    parts = [qm.qmatmul(rows[i:i + qm.M_MAX], w, interpret=kcfg.interpret, exact=kcfg.exact)
-             for i in range(0, rows.shape[0], qm.M_MAX)]
-    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-    return out.reshape(*lead, w.shape[0])
+    parts = [product(rows[i:i + qm.M_MAX]) for i in range(0, rows.shape[0], qm.M_MAX)]
+    return [(parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], axis=0)).reshape(*lead, n)
+            for j, n in enumerate(widths)]
 
 
 def linears(x: jax.Array, ws: Sequence[Any], kcfg: KernelConfig) -> list[jax.Array]:
@@ -95,18 +101,14 @@ def linears(x: jax.Array, ws: Sequence[Any], kcfg: KernelConfig) -> list[jax.Arr
         key = qm.launch_key(w) if isinstance(w, qm.PackedWeight) else None
         groups.setdefault(key if key is not None else ("alone", i), []).append(i)
     out: list[Any] = [None] * len(ws)
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
     for idx in groups.values():
         if len(idx) == 1:
             out[idx[0]] = linear(x, ws[idx[0]], kcfg)
             continue
         pws = tuple(ws[i] for i in idx)
-        parts = [qm.qmatmul_many(rows[r:r + qm.M_MAX], pws, interpret=kcfg.interpret, exact=kcfg.exact)
-                 for r in range(0, rows.shape[0], qm.M_MAX)]
-        for j, i in enumerate(idx):
-            y = parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], axis=0)
-            out[i] = y.reshape(*lead, pws[j].shape[0])
+        product = lambda rows: qm.qmatmul_many(rows, pws, interpret=kcfg.interpret, exact=kcfg.exact)  # noqa: E731
+        for i, y in zip(idx, _row_blocks(x, product, tuple(pw.shape[0] for pw in pws))):
+            out[i] = y
     return out
 
 
