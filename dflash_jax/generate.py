@@ -169,16 +169,30 @@ def default_jit_cache() -> str:
     return os.path.join(base, "dflash_jax", "jit")
 
 
-JIT_CACHE_MIN_COMPILE_S = 0.5  # seconds: programs that compile faster are not kept (JAX's own default is 1 s)
+# seconds: programs that compile faster are not kept (JAX's own default is 1 s). 0 keeps every one: the load's
+# per-shape layout programs each compile in under 0.5 s and add up to seconds; a warm start on an H200 built the
+# synthetic 27B pair in 5.9 s against 17.3 s at 0.5 s (scripts/results/ttft_jit_cache_min_h200_nov28.txt)
+JIT_CACHE_MIN_COMPILE_S = 0.0
+
+
+def _given(f, name: str) -> bool:
+    """Whether the user set flag `name` on the command line (absl flags; an argparse namespace cannot say: False)."""
+    try:
+        return bool(f[name].present)
+    except (TypeError, KeyError, AttributeError):
+        return False
 
 
 def program_folder(f) -> str:
     """Where --program_cache keeps the lowered step and prefill chunk: `programs/` in --jit_cache's folder ("" when
-    the flag is off or the command has none)."""
+    the flag is off, the command has none, or --jit_cache is off; a --program_cache given with it off is refused)."""
     if not getattr(f, "program_cache", False):
         return ""
     if not f.jit_cache:
-        raise UsageError("--program_cache keeps its programs in --jit_cache's folder: give --jit_cache a directory")
+        if _given(f, "program_cache"):
+            raise UsageError("--program_cache keeps its programs in --jit_cache's folder: give --jit_cache a "
+                             "directory")
+        return ""
     return os.path.join(f.jit_cache, "programs")
 
 
@@ -447,9 +461,9 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     define_process_flags(fv)
     flags.DEFINE_string("jit_cache", default_jit_cache(), "Directory of JAX's persistent compilation cache (a "
                         "second run with the same shapes skips compiling); empty to turn it off.", flag_values=fv)
-    flags.DEFINE_bool("program_cache", False, "Also keep the lowered decode step and prefill chunk in --jit_cache's "
+    flags.DEFINE_bool("program_cache", True, "Also keep the lowered decode step and prefill chunk in --jit_cache's "
                       "folder, so that a later run skips tracing and lowering them (a warm start's largest part on a "
-                      "GPU; one device only; off until measured on a GPU).", flag_values=fv)
+                      "GPU; one device only; off with --jit_cache off).", flag_values=fv)
 
 
 def define_flags(fv=None) -> None:

@@ -108,9 +108,11 @@ def split_target(model: Target | "ShardedTarget", kcfg: KernelConfig, pcfg: Para
     already in `kcfg`'s layout), on several over a mesh (`ShardedTarget.over`; a ShardedTarget, loaded straight
     into its shards by `load_sharded`, as it is)."""
     if isinstance(model, ShardedTarget):
-        if (model.parallel.mesh.size, model.kcfg) != (pcfg.devices, kcfg):
+        if model.parallel.mesh.size != pcfg.devices:
             raise ConfigError(f"--devices {pcfg.devices}: the target was sharded over {model.parallel.mesh.size} "
-                              f"device(s) for {model.kcfg.describe()}, not for {kcfg.describe()}")
+                              "device(s); pass that ParallelConfig, or load it again for this one")
+        if model.kcfg != kcfg:
+            raise ConfigError(f"the target was sharded for {model.kcfg.describe()}, not for {kcfg.describe()}")
         return model
     return SplitTarget.of(model) if pcfg.devices == 1 else ShardedTarget.over(model, kcfg, pcfg)
 

@@ -413,8 +413,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill_calls", type=int, default=3, help="warm calls per prefill row (median)")
     ap.add_argument("--jit_cache", default="", help="JAX's persistent compilation cache for this run, as generate's "
                     "--jit_cache (default: off); the ttft section's processes each get one of their own")
-    ap.add_argument("--program_cache", action="store_true", help="keep the lowered step and prefill chunk in "
-                    "--jit_cache's folder, as generate's --program_cache")
+    ap.add_argument("--program_cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the lowered step and prefill chunk in --jit_cache's folder where it is on, as "
+                         "generate's --program_cache (default: on)")
     ap.add_argument("--jit_cache_min_s", type=float, default=JIT_CACHE_MIN_COMPILE_S,
                     help="programs compiled faster than this are not kept in --jit_cache (default: generate's)")
     ap.add_argument("--ttft_mode", choices=("ar", "ddtree"), default="ar",
@@ -613,7 +614,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 res["oracle_ms"] = oracle_ms(engine, args.iters)
             diff = row["differs_from_ar_at"]
             if diff is not None:  # a near-tie, or a break of exactness: the top-2 logit gap there tells which
-                row["margin_at_difference"] = margin(target, prompt, sequence[:diff], GREEDY, base.kv_types)
+                row["margin_at_difference"] = margin(target, prompt, sequence[:diff], GREEDY, base.kv_types,
+                                                      pcfg)
             res["steps"].append(row)
             at = "" if diff is None else f" (top-2 logit gap {row['margin_at_difference']['margin']:.2g})"
             log(f"{mode} {budget}: step {row['step_ms']:.2f} ms ({row['step_over_ar']:.2f} x AR), AL "

@@ -29,16 +29,19 @@ from benchlib import (add_engine_flags, add_pair_flags, engine_settings, environ
                       load_pair, pair_paths, sampling_settings)
 
 
-def margin(target, prompt: list[int], common: list[int], sp, kv_types: tuple[str, str]) -> dict:
+def margin(target, prompt: list[int], common: list[int], sp, kv_types: tuple[str, str], parallel=None) -> dict:
     """The decision margin at the token after prompt + common, with K and V caches of kv_types: top-2 gap of the
-    logits or the perturbed scores."""
+    logits or the perturbed scores. `parallel`: the ParallelConfig a sharded target was split for (default: one
+    device)."""
     import jax.numpy as jnp
 
+    from dflash_jax.config import SINGLE_DEVICE
     from dflash_jax.engine.sampling import gumbel_noise, perturbed_scores
     from dflash_jax.score import score
 
     ids = np.asarray(prompt + common)
-    logits = jnp.asarray(score(target, ids, kv_type=kv_types[0], v_type=kv_types[1]).logits[-1:])
+    logits = jnp.asarray(score(target, ids, kv_type=kv_types[0], v_type=kv_types[1],
+                               parallel=parallel or SINGLE_DEVICE).logits[-1:])
     scores = logits
     if not sp.greedy:
         noise = gumbel_noise(jnp.uint32(sp.seed), jnp.asarray([len(ids)]), logits.shape[-1])

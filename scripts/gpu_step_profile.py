@@ -109,6 +109,44 @@ def profile_lines(label: str, r: dict, top: int = 25, unit: str = "step") -> lis
     return lines
 
 
+# an optimized HLO instruction and the jax op it came from:
+# `%loop_add_fusion.170 = ... metadata={op_name="jit(_step)/add"`
+_HLO_OP = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"', re.M)
+
+
+def by_op(kernels: list[dict], hlo: str) -> list[dict]:
+    """A mode's kernels (`summarize`'s "kernels") grouped by what made them: the Pallas kernels and the quantized
+    products by their category or name, XLA's fusions by the jax op in their metadata in the step's optimized HLO
+    text `hlo` (XLA_FLAGS=--xla_dump_to; a trace names fusion `loop_add_fusion.170` `loop_add_fusion_170`), nested
+    jit names folded (`jit(_step)/jit(tree_conv)/jit(_pad)/pad` -> `tree_conv/_pad/pad`); a kernel the HLO does not
+    name keeps its own. Longest first: {"op", "ms", "launches", "kernels"}."""
+    ops = {}
+    for name, op in _HLO_OP.findall(hlo):
+        ops.setdefault(name, op)
+    groups: dict[str, dict] = {}
+    for k in kernels:
+        if k["category"] == "quantized products":
+            op = "quantized products"
+        elif k["category"] in ("delta rule", "attention", "conv"):
+            op = k["name"]
+        else:
+            op = ops.get(re.sub(r"_(\d+)$", r".\1", k["name"])) or ops.get(k["name"]) or k["name"]
+            op = "/".join(re.sub(r"^jit\((.*)\)$", r"\1", part) for part in op.split("/") if part != "jit(_step)")
+        g = groups.setdefault(op, {"op": op, "ms": 0.0, "launches": 0.0, "kernels": 0})
+        g["ms"] += k["ms"]
+        g["launches"] += k["launches"]
+        g["kernels"] += 1
+    return sorted(groups.values(), key=lambda g: (-g["ms"], g["op"]))
+
+
+def op_lines(label: str, groups: list[dict], top: int = 25) -> list[str]:
+    """`by_op`'s groups in words, the `top` longest."""
+    lines = [f"{label}: kernel ms and launches a step by the jax op that made them"]
+    for g in groups[:top]:
+        lines.append(f"   {g['op'][:72]:72s} {g['ms']:7.3f} ms  x{g['launches']:6.1f}")
+    return lines
+
+
 def table(report: dict, top: int = 25) -> str:
     """The report's modes in words (`profile_lines`)."""
     lines = [f"# {report['device']}, jax {report['jax']}, {report['date']}; model {report['model']}; ms per step"]
@@ -131,8 +169,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max_ctx", type=int, default=4096)
     ap.add_argument("--top", type=int, default=25, help="kernel names printed per mode, longest first (the JSON has "
                     "them all)")
+    ap.add_argument("--by_op", nargs=2, metavar=("REPORT", "HLO"), default=None,
+                    help="instead of profiling: a written report's (--out JSON) modes' kernels grouped by the jax op "
+                         "that made them, from the step's optimized HLO text (by_op)")
     add_engine_flags(ap)
     args = ap.parse_args(argv)
+    if args.by_op:
+        report, hlo = json.loads(Path(args.by_op[0]).read_text()), Path(args.by_op[1]).read_text()
+        for mode in (m for m in args.modes.split(",") if m in report["modes"]):  # the HLO is one mode's step
+            print("\n".join(op_lines(mode, by_op(report["modes"][mode]["kernels"], hlo), args.top)))
+        return
     base, kcfg = engine_settings(args)  # as generate resolves its flags, for a DDTree (the AR rows share it)
     target, draft, _ = bench.make_models(args.model, kcfg)
     prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.prompt_len).tolist()

@@ -23,12 +23,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 
-from dflash_jax.config import EngineConfig, ParallelConfig  # noqa: E402
+from dflash_jax.config import ConfigError, EngineConfig, ParallelConfig  # noqa: E402
 from dflash_jax.defaults import resolve_kernels  # noqa: E402
 from dflash_jax.engine.generate import Engine  # noqa: E402
 from dflash_jax.engine.prefill import prefill_chunks, split_weights  # noqa: E402
+from dflash_jax.engine.sampling import GREEDY  # noqa: E402
 from dflash_jax.engine.state import DecodeState, rewind  # noqa: E402
 from dflash_jax.engine.step import DFlashDrafter  # noqa: E402
 from dflash_jax.errors import InputError  # noqa: E402
@@ -43,6 +45,7 @@ from dflash_jax.testing.oracle import OracleDrafter  # noqa: E402
 from dflash_jax.testing.quantize import quantize  # noqa: E402
 from dflash_jax.profiling import CompileLog  # noqa: E402
 from dflash_jax.testing.hlo import aliased_outputs, collectives, outside_shard_map, resharded_arguments  # noqa: E402
+from exactness import margin  # noqa: E402 (scripts/)
 from dflash_jax.testing.tiny import (random_draft, random_gguf_tensors, random_target, tiny_draft_config,  # noqa: E402
                                      tiny_target_config)
 
@@ -69,16 +72,27 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 def fixture_cases(sharded: ShardedTarget, target: Target) -> dict:
     """The fixture pair (2 KV heads, 2 key heads), its target loaded into a 2-way mesh (`load_cases`) and whole on
     one device: the mesh's AR and DDTree ids (the reference's are in ref.npz), its prompt's last logits against one
-    device's."""
+    device's, the top-2 logit gap after 4 tokens scored on the mesh and on one device, and the refusal to score the
+    sharded target as one device's."""
     draft = load_draft(TINY / "draft-full", target.config, progress=False)
     ids = np.load(TINY / "tokens.npy")
     one = Engine.from_loaded(target, None, EngineConfig(mode="ar", max_ctx=MAX_CTX))
     two = Engine.from_loaded(sharded, None, EngineConfig(mode="ar", max_ctx=MAX_CTX), ParallelConfig(2))
     tree = Engine.from_loaded(sharded, draft, EngineConfig(mode="ddtree", budget=8, max_ctx=MAX_CTX),
                               ParallelConfig(2))
-    return dict(ar2=two.generate(ids, N_GEN).tokens,
+    ar2 = two.generate(ids, N_GEN).tokens
+    # bench.py's top-2 logit gap where a sharded DDTree run leaves AR's tokens: scored on the mesh, as on one device
+    gaps = [margin(model, ids.tolist(), ar2[:4], GREEDY, ("f32", "f32"), parallel)["margin"]
+            for model, parallel in ((sharded, ParallelConfig(2)), (target, None))]
+    wrong_devices = ""
+    try:
+        margin(sharded, ids.tolist(), ar2[:4], GREEDY, ("f32", "f32"))
+    except ConfigError as e:
+        wrong_devices = str(e)
+    return dict(ar2=ar2,
                 ddtree2=tree.generate(ids, N_GEN).tokens,
-                logit_err2=rel_err(prefill_logits(two, ids), prefill_logits(one, ids)))
+                logit_err2=rel_err(prefill_logits(two, ids), prefill_logits(one, ids)),
+                margin2=gaps[0], margin1=gaps[1], wrong_devices=wrong_devices)
 
 
 def live_bytes() -> list[int]:

@@ -217,12 +217,18 @@ def test_bench_resolves_the_configuration_generate_resolves():
 
     fv = flags.FlagValues()
     generate.define_flags(fv)
-    fv(["generate"])
+    fv(["generate", "--jit_cache="])  # bench keeps no compilation cache unless asked (nor kept programs in one)
     assert engine_settings(bench.parse_args(["--out", "x.json"])) == generate.resolve_flags(fv, max_ctx=4096)
+    fv = flags.FlagValues()
+    generate.define_flags(fv)
+    fv(["generate", "--jit_cache=/tmp/jit"])
+    assert engine_settings(bench.parse_args(["--out", "x.json", "--jit_cache", "/tmp/jit"])) == generate.resolve_flags(
+        fv, max_ctx=4096)
+    fv.unparse_flags()
     for flagged in (["--budget", "5", "--topk", "3", "--chain_seed", "--kv_type", "bf16", "--nomgpu"],
                     ["--budget", "30", "--nochain_seed", "--kv_type", "f32"],
                     ["--kv_type_k", "q8_0", "--kv_type_v", "f16", "--draft_ctx", "512"]):
-        fv(["generate", *flagged])
+        fv(["generate", "--jit_cache=", *flagged])
         assert engine_settings(bench.parse_args(["--out", "x.json", *flagged])) == generate.resolve_flags(
             fv, max_ctx=4096)
         fv.unparse_flags()
@@ -320,6 +326,31 @@ def test_gpu_step_profile_counts_busy_time_as_the_union_of_kernels():
     assert "ddtree: no GPU kernel events in the trace" in text
     # the span ends at the last kernel to end, not at the end of the last to start
     assert summarize([("long", 0, 10 * ms), ("short", ms, ms)], steps=1)["span_ms"] == 10
+
+
+def test_gpu_step_profile_groups_kernels_by_the_jax_op_that_made_them():
+    """by_op: XLA's fusions by the op_name of their instruction in the optimized HLO (a trace's `_170` is the HLO's
+    `.170`, nested jit names folded, ROOT lines too), two fusions of one op summed, Pallas kernels by name, the
+    products in one group, a name the HLO lacks kept; longest first."""
+    from gpu_step_profile import by_op
+
+    hlo = """
+  %loop_add_fusion.170 = f32[1,5120]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused_add.170, metadata={op_name="jit(_step)/add" stack_frame_id=271}
+  %loop_add_fusion.43 = f32[1,16]{1,0} fusion(%c), kind=kLoop, calls=%fused_add.43, metadata={op_name="jit(_step)/add"}
+  ROOT %loop_pad_fusion.87 = f16[8,6144]{1,0} fusion(%d), kind=kLoop, metadata={op_name="jit(_step)/jit(qmatmul)/jit(qmatmul_many)/scatter"}
+"""  # noqa: E501 (HLO lines as XLA writes them)
+    kernels = [{"name": "qmatmul_mgpu_q4_k_mosaic_gpu_kernel", "category": "quantized products", "ms": 4.0,
+                "launches": 224.0},
+               {"name": "qmatmul_mgpu_q6_k_mosaic_gpu_kernel", "category": "quantized products", "ms": 1.5,
+                "launches": 65.0},
+               {"name": "gdn_blocks", "category": "delta rule", "ms": 0.9, "launches": 48.0},
+               {"name": "loop_add_fusion_170", "category": "other", "ms": 0.2, "launches": 123.0},
+               {"name": "loop_add_fusion_43", "category": "other", "ms": 0.05, "launches": 44.0},
+               {"name": "loop_pad_fusion_87", "category": "layout", "ms": 0.1, "launches": 47.0},
+               {"name": "MemcpyD2H", "category": "layout", "ms": 0.01, "launches": 3.0}]
+    got = [(g["op"], round(g["ms"], 6), g["launches"], g["kernels"]) for g in by_op(kernels, hlo)]
+    assert got == [("quantized products", 5.5, 289.0, 2), ("gdn_blocks", 0.9, 48.0, 1), ("add", 0.25, 167.0, 2),
+                   ("qmatmul/qmatmul_many/scatter", 0.1, 47.0, 1), ("MemcpyD2H", 0.01, 3.0, 1)]
 
 
 def test_gpu_step_profile_sorts_every_kernel_into_a_category():

@@ -117,7 +117,7 @@ def test_ddtree_accepts_the_ar_continuation(targets, kernels):
 def test_draft_tree_through_the_head(targets, kernels):
     """A DDTree built in one jit from forced logits plus 1e-3 x the head's product (ForcedDrafter's sum) puts the
     raised tokens on its top-1 chain."""
-    head = targets[kernels == "triton"]["lm_head"]
+    head = targets[kernels == "triton"].lm_head.weight.get_value()
     ecfg = EngineConfig(mode="ddtree", budget=22, max_ctx=256)
     seq = jnp.asarray(np.random.default_rng(5).integers(0, CFG.vocab_size, 320), jnp.int32)
     forced = lambda s: oracle_logits(s, jnp.int32(64), 15, CFG.vocab_size, jnp.float32(0), 0)  # noqa: E731

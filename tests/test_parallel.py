@@ -109,12 +109,16 @@ def test_a_sharded_generation_compiles_its_functions_once(mesh_run):
 
 def test_the_fixture_on_two_devices_decodes_the_reference_greedy_ids(mesh_run):
     """The fixture pair loaded into a 2-way mesh: AR and DDTree emit HF's greedy ids; its prompt logits are one
-    device's to float32 rounding (the all-reduces sum in another order)."""
+    device's to float32 rounding (the all-reduces sum in another order), and so is the top-2 gap bench.py reports
+    where a run leaves AR's tokens."""
     run = mesh_run["fixture"]
     want = np.load(TINY / "ref.npz")["hf_q_greedy"][:len(run["ar2"])].tolist()
     assert mesh_run["devices"] == 4
     assert run["ar2"] == want and run["ddtree2"] == want
     assert run["logit_err2"] < 1e-5
+    # bench.py's margin at a difference scores a sharded target on its mesh (it once scored it as one device's)
+    assert abs(run["margin2"] - run["margin1"]) <= 1e-4 * max(1.0, abs(run["margin1"]))
+    assert "sharded over 2 device(s)" in run["wrong_devices"]
 
 
 def test_a_four_kv_head_target_on_two_and_four_devices_matches_one(mesh_run):

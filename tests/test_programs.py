@@ -82,25 +82,32 @@ def test_the_engine_decodes_the_same_through_kept_programs(tiny_gguf_path, tmp_p
 
 
 def test_generate_keeps_its_programs_between_runs(tiny_gguf_path, tmp_path):
-    """`generate --program_cache` twice: the first run writes the step's and the chunk's programs into
-    --jit_cache's programs/, the second reads them (nothing rewritten) and prints the same ids; without
-    --jit_cache the flag is refused."""
+    """`generate` twice with its defaults (--program_cache on): the first run writes the step's and the chunk's
+    programs into --jit_cache's programs/, the second reads them (nothing rewritten) and prints the same ids;
+    --noprogram_cache keeps none, and --program_cache given with --jit_cache off is refused."""
     cache = tmp_path / "jit"
     args = [sys.executable, "-m", "dflash_jax.generate", "--target", str(tiny_gguf_path), "--draft",
-            str(TINY / "draft-full"), "--prompt_ids", str(TINY / "tokens.npy"), "--n_gen", "8", "--json",
-            "--program_cache"]
+            str(TINY / "draft-full"), "--prompt_ids", str(TINY / "tokens.npy"), "--n_gen", "8", "--json"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = lambda *extra: subprocess.run(args + list(extra), capture_output=True, text=True, cwd=ROOT,  # noqa: E731
                                         env=env, timeout=300)
+
+    def kept(folder):
+        return {p: p.stat().st_mtime_ns for p in (folder / "programs").glob("*" + programs.SUFFIX)}
+
     first = run(f"--jit_cache={cache}")
     assert first.returncode == 0, first.stderr
-    stored = {p: p.stat().st_mtime_ns for p in (cache / "programs").glob("*" + programs.SUFFIX)}
+    stored = kept(cache)
     assert len(stored) == 2
     second = run(f"--jit_cache={cache}")
     assert second.returncode == 0, second.stderr
     assert json.loads(second.stdout)["tokens"] == json.loads(first.stdout)["tokens"]
-    assert {p: p.stat().st_mtime_ns for p in (cache / "programs").glob("*" + programs.SUFFIX)} == stored
-    refused = run("--jit_cache=")
+    assert kept(cache) == stored
+    off = run(f"--jit_cache={tmp_path / 'off'}", "--noprogram_cache")
+    assert off.returncode == 0, off.stderr
+    assert json.loads(off.stdout)["tokens"] == json.loads(first.stdout)["tokens"]
+    assert not kept(tmp_path / "off")
+    refused = run("--jit_cache=", "--program_cache")
     assert refused.returncode == 2 and "--program_cache" in refused.stderr
 
 

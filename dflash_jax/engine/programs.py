@@ -96,7 +96,12 @@ def _program(fn: Callable, describe: str, folder: str, args: tuple, donate: tupl
     # committed in and out: an exported program's results are committed, and a first call with uncommitted
     # arguments would otherwise compile the call once more for the committed ones
     sharding = jax.sharding.SingleDeviceSharding(device)
-    flat = jax.jit(exported.call, donate_argnums=donated, in_shardings=sharding, out_shardings=sharding)
+
+    def run(*xs):
+        return exported.call(*xs)
+
+    run.__name__ = getattr(fn, "__name__", "program")  # reports (--compile_report) name it as the function it is
+    flat = jax.jit(run, donate_argnums=donated, in_shardings=sharding, out_shardings=sharding)
     return lambda *args: jax.tree.unflatten(out_tree, flat(*jax.tree.leaves(args)))
 
 
