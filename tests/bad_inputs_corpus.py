@@ -11,8 +11,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -65,29 +63,27 @@ def generate(*args, stdin: bytes | None = None) -> Run:
     return Run("generate", ("--jit_cache=", *args), stdin)
 
 
-def run_cli(run: Run) -> Outcome:
-    """Run a command under the address-space backstop; its peak resident memory comes from wait4."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    limited = ["bash", "-c", f'ulimit -v {ADDRESS_LIMIT_KB} && exec "$@"', "bash"]
-    with tempfile.TemporaryFile() as err:
-        t0 = time.monotonic()
-        proc = subprocess.Popen([*limited, sys.executable, "-m", f"dflash_jax.{run.module}", *run.args], cwd=ROOT,
-                                env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
-        timer = threading.Timer(TIME_LIMIT_S, proc.kill)
-        timer.start()
-        try:
-            try:
-                proc.stdin.write(run.stdin or b"")
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        seconds = time.monotonic() - t0
-        err.seek(0)
-        return Outcome(proc.returncode, err.read().decode("utf-8", "replace"), seconds, usage.ru_maxrss * 1024)
+def run_clis(runs: list[Run], jobs: int) -> list[Outcome]:
+    """Run the command lines, `jobs` at a time, each in a child forked from one process that imported the commands
+    once (tests/cli_forks.py: the module run as `__main__`, its address space capped at ADDRESS_LIMIT_KB, killed past
+    TIME_LIMIT_S); each one's exit code, stderr, seconds from fork to exit and peak resident memory (wait4)."""
+    with tempfile.TemporaryDirectory(prefix="bad_inputs_") as tmp:
+        requests = []
+        for i, run in enumerate(runs):
+            stdin = Path(tmp) / f"{i}.in"
+            stdin.write_bytes(run.stdin or b"")
+            requests.append({"module": run.module, "args": [str(a) for a in run.args], "stdin_file": str(stdin)})
+        path = Path(tmp) / "requests.json"
+        path.write_text(json.dumps({"jobs": jobs, "time_limit_s": TIME_LIMIT_S, "address_limit_kb": ADDRESS_LIMIT_KB,
+                                    "runs": requests}))
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cli_forks.py")), str(path)], cwd=ROOT,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                              timeout=TIME_LIMIT_S * len(runs))
+        if proc.returncode:
+            raise RuntimeError(f"cli_forks.py failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(out) == len(runs), proc.stdout[-2000:]
+    return [Outcome(r["code"], r["stderr"], r["seconds"], r["max_rss"]) for r in out]
 
 
 def check_one_line(run: Run, outcome: Outcome, named: Path | None, fields: tuple[str, ...]) -> None:

@@ -2,11 +2,11 @@
 flags, each run as a subprocess of the commands that read it (`inspect` and `generate` for a GGUF header or tensor
 table, `generate` for tensor data and configs, the command concerned for a flag). Each run must exit with code 2 and
 one line on stderr that names the file and the field, without a traceback, within TIME_LIMIT_S seconds and
-MEMORY_LIMIT bytes resident. The runs go in parallel, one subprocess each; the GGUF edits are also checked in process,
-more of them (every truncation point of the header, every variant of every metadata key)."""
+MEMORY_LIMIT bytes resident. The runs go in parallel, each a child forked from one process that imported the commands
+once (tests/cli_forks.py); the GGUF edits are also checked in process, more of them (every truncation point of the
+header, every variant of every metadata key)."""
 
 import collections
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -21,7 +21,7 @@ from gguf import GGUFValueType as VT
 
 from bad_inputs_corpus import (BASE, CASES, CONFIG_KEYS, DATA_START, DRAFT_BASE, KEY, KVS, TARGET, TENSORS, Outcome,
                                Run, check_one_line, draft_configs, drafter_config, expected_at_cut, folder_name,
-                               hf_config, hf_configs, layout, metadata_variants, patched, rewritten, run_cli, u64)
+                               hf_config, hf_configs, layout, metadata_variants, patched, rewritten, run_clis, u64)
 from conftest import ROOT, TINY_GGUF
 from dflash_jax.errors import InputError
 from dflash_jax.gguf import GGUFError, GGUFModel
@@ -39,12 +39,25 @@ def outcomes(tmp_path_factory) -> dict[str, list[tuple[Run, Outcome, Path | None
         folder.mkdir()
         named, runs = case.build(folder)
         jobs += [(case.name, run, named) for run in runs]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        results = list(pool.map(run_cli, [run for _, run, _ in jobs]))
+    results = run_clis([run for _, run, _ in jobs], jobs=max(2, os.cpu_count() or 2))
     by_case = collections.defaultdict(list)
     for (name, run, named), outcome in zip(jobs, results):
         by_case[name].append((run, outcome, named))
     return by_case
+
+
+def test_the_forked_runs_report_what_fresh_interpreters_do(tmp_path):
+    """cli_forks.py's children against `python -m` in fresh interpreters: the same exit code and stderr for a bad
+    GGUF (inspect), a bad flag (generate), bad ids (score) and `--help` (exit 0, nothing on stderr)."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(BASE[:6])
+    runs = [Run("inspect", (str(bad),)), Run("generate", ("--jit_cache=", "--n_gen", "-3")),
+            Run("score", ("--ids", "1,x")), Run("score", ("--help",))]
+    forked = run_clis(runs, jobs=2)
+    for run, got in zip(runs, forked):
+        fresh = subprocess.run([sys.executable, "-m", f"dflash_jax.{run.module}", *run.args], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert (got.code, got.stderr) == (fresh.returncode, fresh.stderr), run
 
 
 def test_the_corpus_is_large_and_its_names_unique():
