@@ -219,8 +219,7 @@ def test_bench_resolves_the_configuration_generate_resolves():
     generate.define_flags(fv)
     fv(["generate", "--jit_cache="])  # bench keeps no compilation cache unless asked (nor kept programs in one)
     assert engine_settings(bench.parse_args(["--out", "x.json"])) == generate.resolve_flags(fv, max_ctx=4096)
-    fv = flags.FlagValues()
-    generate.define_flags(fv)
+    fv.unparse_flags()
     fv(["generate", "--jit_cache=/tmp/jit"])
     assert engine_settings(bench.parse_args(["--out", "x.json", "--jit_cache", "/tmp/jit"])) == generate.resolve_flags(
         fv, max_ctx=4096)
