@@ -20,7 +20,7 @@ from pallas_kernels.tiles import dot_tile
 
 
 def _kernel(kernel: int, n: int, x_ref, idx_ref, w_ref, o_ref):
-    w = [w_ref[k, :] for k in range(kernel)]
+    w = [w_ref[:, k] for k in range(kernel)]  # w_ref [block_c, K]: the weight as the model holds it
 
     def token(i, carry):
         acc = sum(x_ref[idx_ref[k, i], :] * w[k] for k in range(kernel))
@@ -46,13 +46,14 @@ def tree_conv(conv_in: jax.Array, index: jax.Array, weight: jax.Array, *, block_
     r_pad, n_pad, k_pad = dot_tile(r), dot_tile(n), 1 << max(0, (kernel - 1).bit_length())
     x = jnp.pad(conv_in.astype(jnp.float32), ((0, r_pad - r), (0, c_pad - c)))
     idx = jnp.pad(index.astype(jnp.int32).T, ((0, k_pad - kernel), (0, n_pad - n)))
-    w = jnp.pad(weight.astype(jnp.float32).T, ((0, k_pad - kernel), (0, c_pad - c)))
+    # the weight as the model holds it, [C, K]: a transposed copy was an XLA launch a layer every step
+    w = jnp.pad(weight.astype(jnp.float32), ((0, c_pad - c), (0, k_pad - kernel)))
     out = pl.pallas_call(
         functools.partial(_kernel, kernel, n),
         out_shape=jax.ShapeDtypeStruct((n_pad, c_pad), jnp.float32),
         grid=(c_pad // block_c,),
         in_specs=[pl.BlockSpec((r_pad, block_c), lambda i: (0, i)), pl.BlockSpec((k_pad, n_pad), lambda i: (0, 0)),
-                  pl.BlockSpec((k_pad, block_c), lambda i: (0, i))],
+                  pl.BlockSpec((block_c, k_pad), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((n_pad, block_c), lambda i: (0, i)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
