@@ -618,3 +618,31 @@ def test_bench_long_with_a_block_kv_type(tmp_path):
                        "--prompt_len", "16", "--steps", "2", "--impl", "reference", "--no-long_phases"])
     row, = json.loads(out.read_text())["long"]
     assert row["ddtree_step_ms"] > 0 and row["budget"] == 8 and "phases_ms" not in row  # a CPU's budget
+
+
+def test_host_dispatch_times_the_steps_of_the_tiny_pair(tmp_path, capsys):
+    """Each step count's host and device times, and the decode loop over exactly the steps asked for."""
+    import host_dispatch
+
+    out = tmp_path / "hd.json"
+    host_dispatch.main(["--out", str(out), "--model", "tiny", "--modes", "ar", "--loop_steps", "3",
+                        "--max_ctx", "1024"])
+    res = json.loads(out.read_text())
+    assert res["devices"] == 1 and "ddtree" not in res
+    ar = res["ar"]
+    assert [r["steps"] for r in ar["queued"]] == list(host_dispatch.CALLS) and ar["loop_steps"] == 3
+    assert all(0 < r["dispatch_ms"] <= r["total_ms"] for r in ar["queued"]) and ar["loop_ms"] > 0
+    assert f"ar: {ar['arguments']} argument arrays; 40 steps queued" in capsys.readouterr().out
+
+
+def test_host_dispatch_refuses_bad_flags(tmp_path):
+    import host_dispatch
+
+    out = tmp_path / "hd.json"
+    with pytest.raises(SystemExit, match="--modes chain"):
+        host_dispatch.main(["--out", str(out), "--model", "tiny", "--modes", "chain"])
+    with pytest.raises(SystemExit, match="--loop_steps 1"):
+        host_dispatch.main(["--out", str(out), "--model", "tiny", "--loop_steps", "1"])
+    with pytest.raises(SystemExit, match="--max_ctx 600: ddtree needs"):
+        host_dispatch.main(["--out", str(out), "--model", "tiny", "--modes", "ddtree", "--max_ctx", "600"])
+    assert not out.exists()
