@@ -77,16 +77,17 @@ def main(argv: list[str] | None = None) -> None:
     args = bench.parse_args(["--out", str(own.out)] + rest)
     pcfg = parallel_from_flags(args, "host_dispatch.py")
     base, kcfg = engine_settings(args)
+    for mode in own.modes.split(","):  # refused before the models are made
+        per_step = 1 if mode == "ar" else base.budget + 1  # tokens a step may commit
+        need = PROMPT_LEN + (3 + sum(CALLS) + own.loop_steps) * per_step
+        if need > base.max_ctx:
+            raise SystemExit(f"--max_ctx {base.max_ctx}: {mode} needs {need} for the prompt and the steps")
     target, draft, _ = bench.make_models(args.model, kcfg, print, pcfg)
     prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, PROMPT_LEN).tolist()
     res = {**environment(), "argv": sys.argv[1:] if argv is None else list(argv), "devices": pcfg.devices,
            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     for mode in own.modes.split(","):
         engine = bench.engine_for(target, draft, dataclasses.replace(base, mode=mode), parallel=pcfg, kcfg=kcfg)
-        per_step = 1 if mode == "ar" else engine.ecfg.budget + 1  # tokens a step may commit
-        need = PROMPT_LEN + (3 + sum(CALLS) + own.loop_steps) * per_step
-        if need > engine.ecfg.max_ctx:
-            raise SystemExit(f"--max_ctx {engine.ecfg.max_ctx}: {mode} needs {need} for the prompt and the steps")
         state, first = engine.start(prompt, engine.ecfg.max_ctx - PROMPT_LEN)
         res[mode] = dict(arguments=len(jax.tree.leaves((engine.tweights, engine.dweights))),
                          **dispatch_rows(engine, state, first, own.loop_steps))
