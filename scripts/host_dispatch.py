@@ -10,7 +10,9 @@ the engine's own decode loop (one step queued ahead, its tokens read every step;
 comes close to total_ms, the device waits on the host: the step is as slow as XLA launching its kernels, and fewer
 launches (or command buffers holding more of them) make it faster, where faster kernels would not. XLA_FLAGS set
 in the environment apply to every program (e.g. `--xla_gpu_enable_command_buffer=` to see the step without CUDA
-graphs).
+graphs). With --coordinator, --num_processes and --process_id (as generate's) it runs over the devices of several
+processes, e.g. one process per GPU of one host, which launch their devices' kernels each from its own thread;
+process 0 reports.
 """
 
 from __future__ import annotations
@@ -75,28 +77,31 @@ def dispatch_rows(engine: Engine, state, first: int, loop_steps: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     own, rest = parse_args(sys.argv[1:] if argv is None else list(argv))
     args = bench.parse_args(["--out", str(own.out)] + rest)
-    pcfg = parallel_from_flags(args, "host_dispatch.py")
+    pcfg = parallel_from_flags(args, "host_dispatch.py", several=True)
     base, kcfg = engine_settings(args)
     for mode in own.modes.split(","):  # refused before the models are made
         per_step = 1 if mode == "ar" else base.budget + 1  # tokens a step may commit
         need = PROMPT_LEN + (3 + sum(CALLS) + own.loop_steps) * per_step
         if need > base.max_ctx:
             raise SystemExit(f"--max_ctx {base.max_ctx}: {mode} needs {need} for the prompt and the steps")
-    target, draft, _ = bench.make_models(args.model, kcfg, print, pcfg)
+    lead = pcfg.process_id == 0  # the process that reports
+    target, draft, _ = bench.make_models(args.model, kcfg, print if lead else lambda *_: None, pcfg)
     prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, PROMPT_LEN).tolist()
     res = {**environment(), "argv": sys.argv[1:] if argv is None else list(argv), "devices": pcfg.devices,
-           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+           "processes": pcfg.num_processes, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     for mode in own.modes.split(","):
         engine = bench.engine_for(target, draft, dataclasses.replace(base, mode=mode), parallel=pcfg, kcfg=kcfg)
         state, first = engine.start(prompt, engine.ecfg.max_ctx - PROMPT_LEN)
         res[mode] = dict(arguments=len(jax.tree.leaves((engine.tweights, engine.dweights))),
                          **dispatch_rows(engine, state, first, own.loop_steps))
         q = res[mode]["queued"][-1]
-        print(f"{mode}: {res[mode]['arguments']} argument arrays; {q['steps']} steps queued: host "
-              f"{q['dispatch_ms']:.2f} ms a step, device {q['total_ms']:.2f}; decode loop {res[mode]['loop_ms']:.2f} "
-              "ms a step", flush=True)
-    own.out.parent.mkdir(parents=True, exist_ok=True)
-    own.out.write_text(json.dumps(res, indent=1))
+        if lead:
+            print(f"{mode}: {res[mode]['arguments']} argument arrays; {q['steps']} steps queued: host "
+                  f"{q['dispatch_ms']:.2f} ms a step, device {q['total_ms']:.2f}; decode loop "
+                  f"{res[mode]['loop_ms']:.2f} ms a step", flush=True)
+    if lead:
+        own.out.parent.mkdir(parents=True, exist_ok=True)
+        own.out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
