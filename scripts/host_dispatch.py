@@ -41,15 +41,16 @@ PROMPT_LEN = 512
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(this script's flags, bench.py's flags for the models and the engine)."""
+    """(this script's flags, `modes` a list, and bench.py's flags for the models and the engine)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--modes", default="ar,ddtree", help="decoding modes to time, comma-separated (ar, ddtree)")
     ap.add_argument("--loop_steps", type=int, default=40, help="steps of the engine's own decode loop")
     own, rest = ap.parse_known_args(argv)
     modes = own.modes.split(",")
-    if not modes or set(modes) - {"ar", "ddtree"}:
+    if set(modes) - {"ar", "ddtree"}:
         raise SystemExit(f"--modes {own.modes}: give ar, ddtree or both")
+    own.modes = modes
     if own.loop_steps < 2:
         raise SystemExit(f"--loop_steps {own.loop_steps}: at least 2 (the first step is not timed)")
     return own, rest
@@ -75,11 +76,12 @@ def dispatch_rows(engine: Engine, state, first: int, loop_steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    own, rest = parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, rest = parse_args(argv)
     args = bench.parse_args(["--out", str(own.out)] + rest)
     pcfg = parallel_from_flags(args, "host_dispatch.py", several=True)
     base, kcfg = engine_settings(args)
-    for mode in own.modes.split(","):  # refused before the models are made
+    for mode in own.modes:  # refused before the models are made
         per_step = 1 if mode == "ar" else base.budget + 1  # tokens a step may commit
         need = PROMPT_LEN + (3 + sum(CALLS) + own.loop_steps) * per_step
         if need > base.max_ctx:
@@ -87,9 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     lead = pcfg.process_id == 0  # the process that reports
     target, draft, _ = bench.make_models(args.model, kcfg, print if lead else lambda *_: None, pcfg)
     prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, PROMPT_LEN).tolist()
-    res = {**environment(), "argv": sys.argv[1:] if argv is None else list(argv), "devices": pcfg.devices,
+    res = {**environment(), "argv": argv, "devices": pcfg.devices,
            "processes": pcfg.num_processes, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    for mode in own.modes.split(","):
+    for mode in own.modes:
         engine = bench.engine_for(target, draft, dataclasses.replace(base, mode=mode), parallel=pcfg, kcfg=kcfg)
         state, first = engine.start(prompt, engine.ecfg.max_ctx - PROMPT_LEN)
         res[mode] = dict(arguments=len(jax.tree.leaves((engine.tweights, engine.dweights))),

@@ -651,11 +651,9 @@ def test_host_dispatch_refuses_bad_flags(tmp_path):
 def test_host_dispatch_over_two_processes(tmp_path):
     """One process per device (two processes of one CPU device each, joined at a coordinator): the step runs over
     both, process 0 reports and writes the file, process 1 neither."""
-    import socket
+    from test_multihost import finish, free_port
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
     outs = [tmp_path / f"hd{i}.json" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(ROOT / "scripts" / "host_dispatch.py"), "--out", str(outs[i]),
@@ -663,14 +661,8 @@ def test_host_dispatch_over_two_processes(tmp_path):
                                "--devices", "all", "--coordinator", f"localhost:{port}", "--num_processes", "2",
                                "--process_id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env) for i in range(2)]
-    try:
-        done = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in done]
+    (code0, out0, err0), (code1, out1, err1) = finish(procs)
+    assert code0 == 0 and code1 == 0, (err0[-3000:], err1[-3000:])
     res = json.loads(outs[0].read_text())
     assert res["devices"] == 2 and res["processes"] == 2 and res["ar"]["loop_steps"] == 2
-    assert "ar: " in done[0][0] and "ar: " not in done[1][0] and not outs[1].exists()
+    assert "ar: " in out0 and "ar: " not in out1 and not outs[1].exists()
