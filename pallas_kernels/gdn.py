@@ -42,17 +42,19 @@ def _precision(interpret: bool, exact: bool):
     return jax.lax.Precision.HIGHEST if interpret or exact else jax.lax.Precision.DEFAULT
 
 
-def _block_v(block_n: int, chunks: int, exact: bool) -> int:
+def _block_v(block_n: int, chunks: int, exact: bool, one: bool = False) -> int:
     """State columns a program: float32 products spill a whole 128-column state out of registers, so exact takes
-    32 columns for one token (16 rows) and 64 for more (48 layers on an H200: 2.6 vs 4.5 ms at one token, 6.1 vs
-    13.7 ms at 23, scripts/results/gdn_exact_block_v_h200_nov27.txt), and 16 where the program loops over a
-    prefill's blocks, the state carried in registers (a 64-token chunk's 48 layers: 7.4 ms against 23.1 at 32
-    columns, scripts/results/gdn_prefill_h200_nov28.txt); TF32 runs fastest with the whole state."""
+    32 columns for a block of 16 rows and 64 for more (48 layers on an H200: 6.1 vs 13.7 ms at 23,
+    scripts/results/gdn_exact_block_v_h200_nov27.txt), 64 for the AR step's one token, which skips the inverse
+    (48 layers: 586 us of kernel time against 887 at 32 columns, the same bits,
+    scripts/results/gdn_one_token_tiles_h200_nov28.txt), and 16 where the program loops over a prefill's blocks,
+    the state carried in registers (a 64-token chunk's 48 layers: 7.4 ms against 23.1 at 32 columns,
+    scripts/results/gdn_prefill_h200_nov28.txt); TF32 runs fastest with the whole state."""
     if not exact:
         return 128
     if chunks > 1:
         return 16
-    return 32 if block_n <= 16 else 64
+    return 32 if block_n <= 16 and not one else 64
 
 
 def _solve_block(block_n: int) -> int:
@@ -173,7 +175,7 @@ def gdn_blocks(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
         raise ValueError(f"rows={rows} is fewer than the {q.shape[0]} tokens given")
     if t_len % block_n or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{t_len} tokens do not split into blocks of a power of two >= 16 (block_n={block_n})")
-    block_v = min(block_v or _block_v(block_n, t_len // block_n, exact and not interpret), dv)
+    block_v = min(block_v or _block_v(block_n, t_len // block_n, exact and not interpret, one), dv)
     solve = solve_block or _solve_block(block_n)
     if dv % block_v or dk % 16:
         raise ValueError(f"value dim {dv} must be a multiple of block_v={block_v}, key dim {dk} of 16")
