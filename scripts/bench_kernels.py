@@ -35,7 +35,10 @@ tile.
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
 chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B
 Q4_K_M matrices a decode step reads (every matrix but the embedding table) over the read-stream rate. Also the jnp
-reference under XLA.
+reference under XLA. `--sweep` also times the delta rule's tiles (`block_v` state columns x `num_warps`) for the AR
+step's one token, the 23-node verify and the commit of one token and of the tree's path, each with the fraction of
+output elements bitwise equal to the default tiles' (the tiles change how the work is split, not the order of any
+sum, so every variant should give 1.0: a tile that gives less changes the numerics and is no tuning choice).
 
 tree_attention and gdn results also carry the GPU kernel time of the call (kernel_us) and its split by kernel
 (kernels_us); their lines give it in all and for the Pallas kernel alone.
@@ -59,6 +62,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import (copy_rate, environment, read_rate, gdn_layer_inputs, median_seconds,  # noqa: E402
@@ -431,6 +435,65 @@ def bench_gdn(stream: float, n: int = 23, exact: bool = True) -> list[dict]:
     return rows
 
 
+GDN_BLOCK_V = (16, 32, 64, 128)
+GDN_WARPS = (1, 2, 4, 8)
+
+
+def bench_gdn_tiles(n: int = 23, layers: int | None = None, heads: int | None = None, dims: tuple[int, int] | None = None,
+                    block_vs: tuple[int, ...] = GDN_BLOCK_V, warps: tuple[int, ...] = GDN_WARPS, interpret: bool = False,
+                    exact: bool = True) -> list[dict]:
+    """The delta rule's tiles: one token's verify (the AR step), an n-node tree's verify, and the commit of one token
+    and of a path through that tree, over the 27B's GDN layers (or `layers`, `heads`, `dims` = (dk, dv): a CPU check
+    in interpret mode), each tile against the defaults: wall us, the kernels' GPU us, and the fraction of output
+    elements bitwise equal to the defaults' (`equal`) with the largest difference."""
+    cfg = load_target_config(CONFIG_27B)
+    layers = layers or len(cfg.linear_attention_layers)
+    h = heads or cfg.linear_num_value_heads
+    dk, dv = dims or (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    anc = _random_tree(n)
+    per_layer, ssm = gdn_layer_inputs(1, layers, n, h, dk, dv)
+    one = [{name: a[:1] for name, a in x.items()} for x in per_layer]
+    one_anc = jnp.ones((1, 1), bool)
+
+    def verify(xs, mask, tiles):
+        return jax.jit(lambda xs, ssm: [gdn.gdn_tree(x["q"], x["k"], x["v"], x["g"], x["beta"], ssm, mask, layer=i,
+                                                     interpret=interpret, exact=exact, **tiles)
+                                        for i, x in enumerate(xs)])
+
+    tree_out = verify(per_layer, anc, {})(per_layer, ssm)
+    path, leaf = anc[n - 1], jnp.int32(n - 1)
+    commit_args = {
+        1: (jnp.stack([x["k"] for x in one]), jnp.stack([o[1][:1] for o in tree_out]),
+            jnp.stack([o[2][:1] for o in tree_out]), jnp.ones(1, bool), jnp.int32(0)),
+        n: (jnp.stack([x["k"] for x in per_layer]), jnp.stack([o[1] for o in tree_out]),
+            jnp.stack([o[2] for o in tree_out]), path, leaf)}
+
+    def commit(tokens, tiles):
+        k, vn, gm, on_path, last = commit_args[tokens]
+        return jax.jit(lambda ssm: gdn.gdn_commit(ssm, k, vn, gm, on_path, last, interpret=interpret, exact=exact,
+                                                  **tiles))
+
+    cases = (("gdn verify", 1, lambda t: verify(one, one_anc, t), (one, ssm)),
+             ("gdn verify", n, lambda t: verify(per_layer, anc, t), (per_layer, ssm)),
+             ("gdn commit", 1, lambda t: commit(1, t), (ssm,)),
+             ("gdn commit", n, lambda t: commit(n, t), (ssm,)))
+    rows = []
+    for name, tokens, make, args in cases:
+        want = [np.asarray(a) for a in jax.tree.leaves(make({})(*args))]
+        for tiles in [{}] + [dict(block_v=b, num_warps=w) for b in block_vs if b <= dv for w in warps]:
+            run = make(tiles)
+            got = [np.asarray(a) for a in jax.tree.leaves(run(*args))]
+            equal = min(float(np.mean(a == b)) for a, b in zip(got, want))
+            diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+            t = median_seconds(run, *args)
+            rows.append(dict(kernel=f"{name} tiles", n=tokens, layers=layers, tiles=tiles or "default", us=t * 1e6,
+                             equal=equal, max_diff=diff, **_kernel_times(run, *args)))
+            r = rows[-1]
+            print(f"  {name:10s} N={tokens:2d} {str(tiles or 'default'):34s} {t * 1e6:9.1f} us{_kernel_note(r, 'gdn')}"
+                  f"  equal {equal:.4f} (max diff {diff:.1e})", flush=True)
+    return rows
+
+
 def bench_tree_conv(stream: float, n: int = 23) -> list[dict]:
     cfg = load_target_config(CONFIG_27B)
     layers, c, kernel = len(cfg.linear_attention_layers), cfg.conv_dim, cfg.conv_kernel
@@ -497,6 +560,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_tree_attention(stream, args.sweep, exact=exact, kv_types=tuple(args.kv_types))
     if "gdn" in args.kernels:
         rows += bench_gdn(stream, exact=exact)
+        if args.sweep:
+            rows += bench_gdn_tiles(exact=exact)
     if "tree_conv" in args.kernels:
         rows += bench_tree_conv(stream)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -254,6 +254,25 @@ def test_bench_kernels_qmatmul_section_on_a_small_matrix(capsys):
     assert "small" in capsys.readouterr().out  # each row printed as it is timed
 
 
+def test_bench_kernels_delta_rule_tiles_on_small_heads(capsys):
+    """bench_kernels' delta-rule tile sweep on small heads in interpret mode: for one token's and a 5-node tree's
+    verify and commit, a row for the defaults (equal to itself) and one per tile, each with its bitwise agreement with
+    the defaults; a CPU trace has no GPU kernel time."""
+    import bench_kernels
+
+    rows = bench_kernels.bench_gdn_tiles(n=5, layers=2, heads=2, dims=(16, 32), block_vs=(16, 64), warps=(4,),
+                                         interpret=True)
+    assert [(r["kernel"], r["n"], r["tiles"]) for r in rows] == [
+        (name, n, tiles) for name, n in (("gdn verify tiles", 1), ("gdn verify tiles", 5), ("gdn commit tiles", 1),
+                                         ("gdn commit tiles", 5))
+        for tiles in ("default", dict(block_v=16, num_warps=4))]  # 64 columns exceed dv = 32: not run
+    assert all(r["us"] > 0 and 0 <= r["equal"] <= 1 and "kernel_us" not in r for r in rows)
+    assert all(r["equal"] == 1 and r["max_diff"] == 0 for r in rows if r["tiles"] == "default")
+    # the commit's products are over the path, which no tile splits: every tile gives its bits on the CPU too
+    assert all(r["equal"] == 1 for r in rows if r["kernel"] == "gdn commit tiles")
+    assert "gdn commit N= 5" in capsys.readouterr().out
+
+
 def test_bench_kernels_shard_shapes_follow_the_split():
     """`--shard N`: each 27B matrix as shard 0 of N holds it, 1/N of its weights; the row-split ones (gate/up, the
     head) keep their columns, the all-reduced ones (ffn_down, o_proj, out_proj) their rows."""
