@@ -221,6 +221,9 @@ class EngineConfig:
     # a folder where the step's and the prefill chunk's lowered programs are kept between processes
     # (dflash_jax/engine/programs.py; --program_cache puts it in --jit_cache's folder); "" keeps none
     program_cache: str = ""
+    # compile the decode step on a thread while the prompt is prefilled (Engine._compile_ahead; one device), so that
+    # a cold start's two largest compiles run side by side; off until a GPU measures it
+    compile_ahead: bool = False
 
     def __post_init__(self):
         check_prefill_chunk(self.prefill_chunk)
@@ -249,9 +252,9 @@ class EngineConfig:
         return self.chain_seed if self.chain_seed is not None else self.budget > depth
 
     def step_config(self) -> "EngineConfig":
-        """This configuration as the decode step sees it: the prefill chunk, which the step does not read, at its
-        default, so engines that differ only there share one jitted (and compiled) step."""
-        return dataclasses.replace(self, prefill_chunk=PREFILL_BLOCK)
+        """This configuration as the decode step sees it: the prefill chunk and compile-ahead, which the step does not
+        read, at their defaults, so engines that differ only there share one jitted (and compiled) step."""
+        return dataclasses.replace(self, prefill_chunk=PREFILL_BLOCK, compile_ahead=False)
 
 
 @dataclasses.dataclass(frozen=True)

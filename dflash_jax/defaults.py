@@ -116,12 +116,13 @@ def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | No
 def resolve_engine(mode: str = "ddtree", *, budget: int | None = None, topk: int = 8, chain_seed: bool | None = None,
                    max_ctx: int = 4096, kv_type: str | None = None, kv_type_k: str | None = None,
                    kv_type_v: str | None = None, draft_ctx: int | None = None, draft_rule: str = "coupled",
-                   prefill_chunk: int | None = None, program_cache: str = "", device: str | None = None
-                   ) -> EngineConfig:
+                   prefill_chunk: int | None = None, program_cache: str = "", compile_ahead: bool = False,
+                   device: str | None = None) -> EngineConfig:
     """The EngineConfig of the decoding flags, a None taking the device class's default (budget, KV type; K's and
     V's types default to kv_type; the drafter's context bound EngineConfig's, 0 for the whole context; the prefill
     chunk the delta rule's block, PREFILL_BLOCK tokens, on every device until a GPU measurement picks another);
-    `program_cache` the folder of kept lowered programs (EngineConfig.program_cache)."""
+    `program_cache` the folder of kept lowered programs (EngineConfig.program_cache); `compile_ahead` compiles the
+    step on a thread during the prefill (EngineConfig.compile_ahead)."""
     defaults = DEVICE_DEFAULTS[device or device_class()]
     for name, value in (("kv_type", kv_type), ("kv_type_k", kv_type_k), ("kv_type_v", kv_type_v)):
         if value is not None and value not in KV_TYPES:
@@ -137,4 +138,4 @@ def resolve_engine(mode: str = "ddtree", *, budget: int | None = None, topk: int
                         kv_type_v=None if kv_type_v == kv_type else kv_type_v,
                         draft_ctx=DRAFT_CTX if draft_ctx is None else draft_ctx or None,
                         prefill_chunk=PREFILL_BLOCK if prefill_chunk is None else prefill_chunk,
-                        program_cache=program_cache)
+                        program_cache=program_cache, compile_ahead=compile_ahead)

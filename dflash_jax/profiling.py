@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import threading
 from typing import Callable
 
 import jax
@@ -27,6 +28,7 @@ class CompileLog:
         self.seconds: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(STAGES.values(),
                                                                                                    0.0))
         self.compiles: collections.Counter = collections.Counter()
+        self.threads: dict[str, list[str]] = collections.defaultdict(list)  # the thread of each compile, by function
         self.cache_hits = self.cache_requests = 0
 
     def _listen(self, event: str, secs: float, **kwargs) -> None:
@@ -39,6 +41,7 @@ class CompileLog:
         self.seconds[name][stage] += secs
         if stage == "compile":
             self.compiles[name] += 1
+            self.threads[name].append(threading.current_thread().name)
 
     def _count(self, event: str, **kwargs) -> None:
         self.cache_hits += event == CACHE_HIT

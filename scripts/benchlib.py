@@ -54,6 +54,9 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
                     help="exact (speculative decoding emits what AR emits) or fast (not exact); default: the device's")
     ap.add_argument("--draft_rule", choices=DRAFT_RULES, default="coupled",
                     help="what a sampled step builds its tree from (generate's --draft_rule)")
+    ap.add_argument("--compile_ahead", action=argparse.BooleanOptionalAction, default=False,
+                    help="compile the step on a thread while the prompt is prefilled (generate's --compile_ahead)")
+    ap.add_argument("--nocompile_ahead", dest="compile_ahead", action="store_false", help=argparse.SUPPRESS)
 
 
 def add_pair_flags(ap: argparse.ArgumentParser, budgets: str) -> None:

@@ -50,9 +50,11 @@ def test_flags_override_the_table():
     assert resolve_kernels(impl="reference", device="hopper").mgpu == "off"
     assert resolve_kernels(small_rows=0, device="gpu").small_rows == 0
     ecfg = resolve_engine("chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_type="bf16",
-                          draft_rule="tempered", device="cpu")
+                          draft_rule="tempered", compile_ahead=True, device="cpu")
     assert ecfg == EngineConfig(mode="chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_type="bf16",
-                                draft_rule="tempered")
+                                draft_rule="tempered", compile_ahead=True)
+    assert ecfg.step_config() == EngineConfig(mode="chain", budget=5, topk=3, chain_seed=True, max_ctx=100,
+                                              kv_type="bf16", draft_rule="tempered")
 
 
 def test_keys_and_values_take_their_own_types_and_the_drafter_a_context_bound():

@@ -1,5 +1,7 @@
 """The speculative step: greedy chain and DDTree output equals greedy autoregressive output, one compilation."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,12 +9,14 @@ import pytest
 
 from dflash_jax.config import MAX_TREE_NODES, ConfigError, EngineConfig, KernelConfig
 from dflash_jax.engine import prefill as prefill_module
-from dflash_jax.engine.generate import Engine
+from dflash_jax.engine.generate import AHEAD_THREAD, Engine
 from dflash_jax.engine.prefill import InputError, split_weights
+from dflash_jax.engine.sampling import SamplingParams
 from dflash_jax.engine.state import DecodeState, rewind
 from dflash_jax.engine.step import MAX_STOP_IDS, DFlashDrafter, make_step
 from dflash_jax.kernels import REFERENCE
 from dflash_jax.models.target import init_state
+from dflash_jax.profiling import CompileLog
 from dflash_jax.testing.oracle import OracleDrafter
 from dflash_jax.engine.state import tree_bytes
 from dflash_jax.testing.tiny import random_draft, random_target, tiny_draft_config, tiny_target_config
@@ -134,6 +138,30 @@ def test_engines_that_differ_only_in_their_prefill_chunk_share_one_step(tparams,
     assert a.step is b.step and a.tsplit.chunk is not None
     assert run_oracle(a, 3, greedy[3]).tokens == run_oracle(b, 3, greedy[3]).tokens == greedy[3]
     assert b.step._cache_size() == 1
+
+
+def test_the_step_compiles_on_a_thread_while_the_prompt_is_prefilled(tparams, greedy):
+    """With compile_ahead a fresh engine traces and lowers its step before the prefill and compiles it on a thread
+    beside the prompt's chunks: the step's first call finds the executable (one compile, on that thread), and emits
+    the greedy tokens; a sampled generation compiles the sampled step ahead too, once; a one-token generation
+    compiles no step. Without it the step compiles at its first call, on the caller's thread."""
+    ahead = dict(mode="ddtree", topk=2, max_ctx=MAX_CTX, compile_ahead=True)
+    one = oracle_engine(tparams, EngineConfig(budget=11, **ahead))
+    engine = oracle_engine(tparams, EngineConfig(budget=10, **ahead))
+    plain = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=13, topk=2, max_ctx=MAX_CTX))
+    with CompileLog() as log:
+        assert run_oracle(plain, 3, greedy[3]).tokens == greedy[3]
+        assert log.threads["jit(_step)"] == [threading.current_thread().name]
+        log.threads.clear()
+        assert len(run_oracle(one, 3, greedy[3], n_gen=1).tokens) == 1
+        assert "jit(_step)" not in log.threads
+        assert run_oracle(engine, 3, greedy[3]).tokens == greedy[3]
+        assert run_oracle(engine, 4, greedy[4]).tokens == greedy[4]
+        assert log.threads["jit(_step)"] == [AHEAD_THREAD]
+        sampled = SamplingParams(temperature=0.8, seed=3)
+        first = engine.generate(prompt(5), N_GEN, sampling=sampled).tokens
+        assert engine.generate(prompt(5), N_GEN, sampling=sampled).tokens == first
+        assert log.threads["jit(_step)"] == [AHEAD_THREAD, AHEAD_THREAD]
 
 
 def test_stop_token_and_n_gen_cut_a_commit_mid_path(tparams, greedy):

@@ -23,13 +23,13 @@ def generate(*args, jit_cache="", stdin=None):
 def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
     """ar and ddtree (--json) on the fixture pair give the same ids: HF transformers' greedy continuation (chain
     mode is checked in-process by test_engine, which keeps this subprocess test short); ddtree prefills its prompt in
-    one chunk of 128 tokens."""
+    one chunk of 128 tokens and compiles its step ahead, during the prefill."""
     want = np.load(TINY / "ref.npz")["hf_q_greedy"][:20].tolist()
     runs = {}
-    for mode, chunk in (("ar", "64"), ("ddtree", "128")):
+    for mode, chunk, ahead in (("ar", "64", "--nocompile_ahead"), ("ddtree", "128", "--compile_ahead")):
         proc = generate("--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--prompt_ids",
                         str(TINY / "tokens.npy"), "--n_gen", "20", "--mode", mode, "--prefill_chunk", chunk, "--json",
-                        jit_cache=jit_cache)
+                        ahead, jit_cache=jit_cache)
         assert proc.returncode == 0, proc.stderr
         runs[mode] = json.loads(proc.stdout)
     for mode, out in runs.items():
@@ -37,6 +37,7 @@ def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
         assert sum(out["accept_lengths"]) == 19 and out["steps"] == len(out["accept_lengths"])  # first from prefill
     assert runs["ddtree"]["prompt_ids"] == np.load(TINY / "tokens.npy").tolist()
     assert runs["ar"]["prefill_chunk"] == 64 and runs["ddtree"]["prefill_chunk"] == 128
+    assert not runs["ar"]["compile_ahead"] and runs["ddtree"]["compile_ahead"]
 
 
 def test_a_quantized_kv_cache_from_the_command_line(tiny_gguf_path, jit_cache):

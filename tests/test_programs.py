@@ -20,6 +20,7 @@ from dflash_jax.defaults import resolve_kernels
 from dflash_jax.engine import programs
 from dflash_jax.engine.generate import Engine
 from dflash_jax.load import load_draft, load_target
+from dflash_jax.profiling import CompileLog
 
 
 def counting():
@@ -49,6 +50,21 @@ def test_a_stored_program_replaces_tracing(tmp_path):
     programs.stored(counting()[0], "g", str(tmp_path), donate=(1,))(w, jnp.ones(4), x)
     assert len(list(tmp_path.glob("*" + programs.SUFFIX))) == 2
     assert programs.stored(f, "f", "") is f
+
+
+def test_a_kept_program_compiled_ahead_is_what_its_call_runs(tmp_path):
+    """`stored(...).lower` with abstract arguments lowers the program a call with such arguments runs: compiled
+    ahead, the call compiles nothing more, and gives the function's results."""
+    w, x = {"a": jnp.arange(16.0).reshape(4, 4) / 8}, jnp.arange(4.0)
+    f, traces = counting()
+    kept = programs.stored(f, "ahead", str(tmp_path), donate=(1,))
+    with CompileLog() as log:
+        kept.lower(w, jax.ShapeDtypeStruct((4,), jnp.float32), x).compile()
+        assert log.compiles["jit(f)"] == 1
+        out, _ = kept(w, jnp.ones(4), x)
+        assert log.compiles["jit(f)"] == 1 and traces == [1]
+    assert np.array_equal(np.asarray(out["s"]), np.ones(4) + np.asarray(x @ w["a"]))
+    assert programs.stored(f, "ahead", "") is f  # no folder: the function itself, whose lower is jax's
 
 
 def test_a_program_that_cannot_be_kept_is_traced(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,18 @@ def extend_function(drafter: Drafter, graph: nnx.GraphDef) -> Callable:
     # the drafter's state is donated: each prompt chunk writes its context cache in place
     return jax.jit(lambda weights, state, taps, n: drafter.extend(nnx.merge(graph, weights), state, taps, n),
                    donate_argnums=(1,))
+
+
+AHEAD_THREAD = "compile the step ahead"
+
+
+def _compile_quietly(lowered: Any) -> None:
+    """lowered.compile(), its executable then found by the step's first call; a compile that fails here is left to
+    that call, which compiles again and raises where the caller sees it."""
+    try:
+        lowered.compile()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 @jax.jit
@@ -103,7 +116,38 @@ class Engine:
         self.block_size = drafter.block_size if self.drafter else 1
         self.width = emit_width(ecfg, self.block_size)
         self.kcfg = kcfg
+        self._ahead: threading.Thread | None = None  # the step's compile begun ahead of its first call
+        self._ahead_done: set = set()  # the step signatures (sampling's tree) compiled or being compiled ahead
         self.dparams = dparams
+
+    @property
+    def step(self) -> Callable:
+        """The jitted step, (tweights, dweights, state, stop ids, sampling params) -> (state, StepOut); a compile of
+        it begun ahead (`_compile_ahead`) is waited for first, so that the call finds its executable."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.join()
+        return self._step
+
+    def _compile_ahead(self, stops: jax.Array, params: Any) -> None:
+        """With EngineConfig.compile_ahead: trace and lower the step for a fresh generation's state here, then
+        compile it on a thread while the prompt is prefilled, so that a cold start's two largest compiles, the
+        prefill chunk's and the step's, run side by side. Once per sampling kind (greedy or sampled); on one device
+        only (a mesh's state is laid out by the prefill, and its step compiles at its first call as before)."""
+        key = jax.tree.structure(params)
+        if self.parallel is not None or key in self._ahead_done:
+            return
+        self._ahead_done.add(key)
+        tstate, dstate = jax.eval_shape(self._empty_states)
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)  # noqa: E731
+        state = DecodeState(target=tstate, draft=dstate, root=scalar(jnp.int32), remaining=scalar(jnp.int32),
+                            done=scalar(jnp.bool_))
+        lowered = self._step.lower(self.tweights, self.dweights, state, stops, params)
+        self.step  # noqa: B018 - one compile ahead at a time: wait for an earlier one
+        # not a daemon: a process that ends before its first step (a reply that is one stop token) waits for the
+        # compile rather than tearing XLA down under it
+        self._ahead = threading.Thread(target=_compile_quietly, args=(lowered,), name=AHEAD_THREAD)
+        self._ahead.start()
 
     @property
     def dparams(self) -> Any:
@@ -115,7 +159,8 @@ class Engine:
         # new params of the same graph (an oracle's sequence) reuse the compiled functions
         self.dgraph, self.dweights = split_weights(dparams)
         self.dweights = self.tsplit.replicated(self.dweights)
-        self.step = make_step(self.tcfg, self.drafter, self.ecfg.step_config(), self.tgraph, self.dgraph, self.kcfg, self.parallel)
+        self._step = make_step(self.tcfg, self.drafter, self.ecfg.step_config(), self.tgraph, self.dgraph, self.kcfg,
+                               self.parallel)
         self.extend = extend_function(self.drafter, self.dgraph) if self.drafter else None
 
     @classmethod
@@ -203,6 +248,8 @@ class Engine:
             raise InputError(f"{before}prompt of {len(ids)} tokens + {n_gen} to generate exceeds the context of "
                              f"{self.ecfg.max_ctx} tokens (raise max_ctx)")
         tstate, dstate = (after.target, after.draft) if after is not None else self._empty_states()
+        if self.ecfg.compile_ahead and n_gen > 1:  # a single token needs no step
+            self._compile_ahead(self.stop_array(stop_ids), self.tsplit.replicated(sampling.device()))
         mark, snapshots = None, []
         kept = {at + shift for at in (mark_at, *snapshot_at) if at}  # where a copy is taken, in ids
         cuts = sorted(kept | {0, len(ids)})

@@ -60,20 +60,25 @@ def stored(fn: Callable, describe: str, folder: str | None, donate: tuple[int, .
     program in `folder` and calls it from there; `fn` itself where `folder` is None or empty.
 
     `donate`: the positional arguments donated, as fn donates them. `weights`: positions whose avals stay fixed for a
-    given function (a model's weights), left out of the per-call signature so that a call flattens only the rest."""
+    given function (a model's weights), left out of the per-call signature so that a call flattens only the rest.
+    `call.lower(*args)` (args may be jax.ShapeDtypeStructs) lowers the program that a call with such arguments runs,
+    as `jax.jit(...).lower` does, so that compiling it ahead leaves that call nothing to compile."""
     if not folder:
         return fn
     calls: dict = {}
 
-    def call(*args):
+    def program(args: tuple) -> Callable:
         rest = [a for i, a in enumerate(args) if i not in weights]
         leaves, tree = jax.tree.flatten(rest)
         sig = (len(args), tree, tuple(map(_aval, leaves)))
-        program = calls.get(sig)
-        if program is None:
-            program = calls[sig] = _program(fn, describe, folder, args, donate)
-        return program(*args)
+        if sig not in calls:
+            calls[sig] = _program(fn, describe, folder, args, donate)
+        return calls[sig]
 
+    def call(*args):
+        return program(args)(*args)
+
+    call.lower = lambda *args: program(args).lower(*args)
     return call
 
 
@@ -102,7 +107,12 @@ def _program(fn: Callable, describe: str, folder: str, args: tuple, donate: tupl
 
     run.__name__ = getattr(fn, "__name__", "program")  # reports (--compile_report) name it as the function it is
     flat = jax.jit(run, donate_argnums=donated, in_shardings=sharding, out_shardings=sharding)
-    return lambda *args: jax.tree.unflatten(out_tree, flat(*jax.tree.leaves(args)))
+
+    def kept(*args):
+        return jax.tree.unflatten(out_tree, flat(*jax.tree.leaves(args)))
+
+    kept.lower = lambda *args: flat.lower(*jax.tree.leaves(args))
+    return kept
 
 
 def _positions(args: tuple) -> list[int]:
