@@ -124,10 +124,14 @@ class Engine:
     def step(self) -> Callable:
         """The jitted step, (tweights, dweights, state, stop ids, sampling params) -> (state, StepOut); a compile of
         it begun ahead (`_compile_ahead`) is waited for first, so that the call finds its executable."""
+        self._join_ahead()
+        return self._step
+
+    def _join_ahead(self) -> None:
+        """Wait for the step's compile begun ahead, if one is running."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.join()
-        return self._step
 
     def _compile_ahead(self, stops: jax.Array, params: Any) -> None:
         """With EngineConfig.compile_ahead: trace and lower the step for a fresh generation's state here, then
@@ -143,7 +147,7 @@ class Engine:
         state = DecodeState(target=tstate, draft=dstate, root=scalar(jnp.int32), remaining=scalar(jnp.int32),
                             done=scalar(jnp.bool_))
         lowered = self._step.lower(self.tweights, self.dweights, state, stops, params)
-        self.step  # noqa: B018 - one compile ahead at a time: wait for an earlier one
+        self._join_ahead()  # one compile ahead at a time
         # not a daemon: a process that ends before its first step (a reply that is one stop token) waits for the
         # compile rather than tearing XLA down under it
         self._ahead = threading.Thread(target=_compile_quietly, args=(lowered,), name=AHEAD_THREAD)
@@ -309,9 +313,10 @@ class Engine:
         stopped = first in stop_ids
         finished = stopped or n_gen == 1 or halted
         if not finished:
-            state, current = self.step(self.tweights, self.dweights, state, stops, params)
+            step = self.step  # once: it may wait for the step's compile begun ahead
+            state, current = step(self.tweights, self.dweights, state, stops, params)
         while not finished:
-            state, following = self.step(self.tweights, self.dweights, state, stops, params)  # queued before the read
+            state, following = step(self.tweights, self.dweights, state, stops, params)  # queued before the read
             count = int(current.count)
             if not lengths:
                 first_step_s = time.perf_counter() - t1
