@@ -1,6 +1,7 @@
 """Several processes (hosts) running one program over all their devices: the flags that name the processes, joining
 them (`jax.distributed.initialize`) before anything else touches JAX, and `--devices` resolved over every process's
-devices (docs/architecture.md, "Several hosts")."""
+devices (docs/architecture.md, "Several hosts"); with them the process's GPU allocator (`--allocator`), which must
+also be chosen before JAX starts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, TextIO
 
 import jax
 
+from dflash_jax.allocator import ALLOCATORS, select_allocator
 from dflash_jax.config import SINGLE_DEVICE, ConfigError, ParallelConfig
 from dflash_jax.parallel import parallel_config
 
@@ -17,7 +19,7 @@ PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
 
 
 def define_process_flags(fv=None) -> None:
-    """--coordinator, --num_processes and --process_id in `fv` (default: absl's global FLAGS)."""
+    """--coordinator, --num_processes, --process_id and --allocator in `fv` (default: absl's global FLAGS)."""
     from absl import flags
 
     fv = flags.FLAGS if fv is None else fv
@@ -28,13 +30,18 @@ def define_process_flags(fv=None) -> None:
                          flag_values=fv)
     flags.DEFINE_integer("process_id", None, "Several hosts: this process's number, 0 to --num_processes - 1; "
                          "process 0 prints the output.", flag_values=fv)
+    flags.DEFINE_enum("allocator", None, list(ALLOCATORS), "JAX's GPU memory allocator for this process: bfc (JAX's "
+                      "pool) or cuda_async (CUDA's stream-ordered pool, which leaves no slack after the load). "
+                      "Default: XLA_PYTHON_CLIENT_ALLOCATOR's, else bfc.", flag_values=fv)
 
 
 def add_process_arguments(parser: Any) -> None:
-    """The same three flags on an argparse parser (scripts/bench.py)."""
+    """The same four flags on an argparse parser (scripts/bench.py)."""
     parser.add_argument("--coordinator", default=None, help="several hosts: HOST:PORT of process 0, as generate's")
     parser.add_argument("--num_processes", type=int, default=None, help="several hosts: how many processes")
     parser.add_argument("--process_id", type=int, default=None, help="several hosts: this process's number")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default=None,
+                        help="JAX's GPU memory allocator, as generate's (default: the environment's, else bfc)")
 
 
 def processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> ParallelConfig:
@@ -64,8 +71,10 @@ def join(pcfg: ParallelConfig) -> None:
 
 def parallel_from_flags(f: Any, command: str, several: bool = False) -> ParallelConfig:
     """The ParallelConfig of the flags `devices`, `coordinator`, `num_processes` and `process_id` (absl's or
-    argparse's), the processes joined first (`join`): the one place a command resolves them. A command that does not
-    run over several processes (not `several`) is refused them before any process waits for another."""
+    argparse's), the GPU allocator of `allocator` chosen and the processes joined first (`join`): the one place a
+    command resolves them. A command that does not run over several processes (not `several`) is refused them before
+    any process waits for another."""
+    select_allocator(getattr(f, "allocator", None))
     base = processes(f.coordinator, f.num_processes, f.process_id)
     if base.num_processes > 1 and not several:
         raise ConfigError(f"{command} over several processes (--num_processes {base.num_processes}) is not "

@@ -232,6 +232,9 @@ def test_bench_resolves_the_configuration_generate_resolves():
             fv, max_ctx=4096)
         fv.unparse_flags()
     assert bench.parse_args(["--out", "x.json", "--no-mgpu"]).mgpu is False  # argparse's spelling too
+    assert bench.parse_args(["--out", "x.json"]).allocator is None  # the environment's (generate's default)
+    assert bench.parse_args(["--out", "x.json", "--allocator", "cuda_async"]).allocator == "cuda_async"
+    assert bench.parse_args(["--out", "x.json", "--no-compile_ahead"]).compile_ahead is False
 
 
 def test_bench_kernels_qmatmul_section_on_a_small_matrix(capsys):

@@ -145,10 +145,10 @@ def test_the_step_compiles_on_a_thread_while_the_prompt_is_prefilled(tparams, gr
     beside the prompt's chunks: the step's first call finds the executable (one compile, on that thread), and emits
     the greedy tokens; a sampled generation compiles the sampled step ahead too, once; a one-token generation
     compiles no step. Without it the step compiles at its first call, on the caller's thread."""
-    ahead = dict(mode="ddtree", topk=2, max_ctx=MAX_CTX, compile_ahead=True)
+    ahead = dict(mode="ddtree", topk=2, max_ctx=MAX_CTX)  # compile_ahead is the default
     one = oracle_engine(tparams, EngineConfig(budget=11, **ahead))
     engine = oracle_engine(tparams, EngineConfig(budget=10, **ahead))
-    plain = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=13, topk=2, max_ctx=MAX_CTX))
+    plain = oracle_engine(tparams, EngineConfig(mode="ddtree", budget=13, topk=2, max_ctx=MAX_CTX, compile_ahead=False))
     with CompileLog() as log:
         assert run_oracle(plain, 3, greedy[3]).tokens == greedy[3]
         assert log.threads["jit(_step)"] == [threading.current_thread().name]

@@ -11,11 +11,12 @@ import pytest
 
 from conftest import ROOT, TINY
 from dflash_jax import assets
+from dflash_jax.allocator import ENV
 from dflash_jax.testing.gguf_writer import rewrite_gguf
 
 
 def generate(*args, jit_cache="", stdin=None):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**{k: v for k, v in os.environ.items() if k != ENV}, "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "dflash_jax.generate", f"--jit_cache={jit_cache}", *args],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, input=stdin)
 
@@ -23,13 +24,14 @@ def generate(*args, jit_cache="", stdin=None):
 def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
     """ar and ddtree (--json) on the fixture pair give the same ids: HF transformers' greedy continuation (chain
     mode is checked in-process by test_engine, which keeps this subprocess test short); ddtree prefills its prompt in
-    one chunk of 128 tokens and compiles its step ahead, during the prefill."""
+    one chunk of 128 tokens and compiles its step ahead, during the prefill (the default), and takes the cuda_async
+    allocator (on a CPU only the choice is recorded)."""
     want = np.load(TINY / "ref.npz")["hf_q_greedy"][:20].tolist()
     runs = {}
-    for mode, chunk, ahead in (("ar", "64", "--nocompile_ahead"), ("ddtree", "128", "--compile_ahead")):
+    for mode, chunk, more in (("ar", "64", ["--nocompile_ahead"]), ("ddtree", "128", ["--allocator", "cuda_async"])):
         proc = generate("--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--prompt_ids",
                         str(TINY / "tokens.npy"), "--n_gen", "20", "--mode", mode, "--prefill_chunk", chunk, "--json",
-                        ahead, jit_cache=jit_cache)
+                        *more, jit_cache=jit_cache)
         assert proc.returncode == 0, proc.stderr
         runs[mode] = json.loads(proc.stdout)
     for mode, out in runs.items():
@@ -38,6 +40,7 @@ def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
     assert runs["ddtree"]["prompt_ids"] == np.load(TINY / "tokens.npy").tolist()
     assert runs["ar"]["prefill_chunk"] == 64 and runs["ddtree"]["prefill_chunk"] == 128
     assert not runs["ar"]["compile_ahead"] and runs["ddtree"]["compile_ahead"]
+    assert runs["ar"]["allocator"] == "bfc" and runs["ddtree"]["allocator"] == "cuda_async"
 
 
 def test_a_quantized_kv_cache_from_the_command_line(tiny_gguf_path, jit_cache):
@@ -126,6 +129,7 @@ def _other_arch(tiny_gguf_path, tmp_path):
     (lambda g, t: ["--profile", str(g), "--prompt", "hi"], "exists and is not a directory"),
     (lambda g, t: ["--target", str(g), "--mode", "ar", "--mgpu", "--prompt", "hi"], r"\(--mgpu\) needs a Hopper GPU"),
     (lambda g, t: ["--kv_type", "fp8", "--prompt", "hi"], "flag --kv_type=fp8"),
+    (lambda g, t: ["--allocator", "vmm", "--prompt", "hi"], "flag --allocator=vmm"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tiny_gguf_path, tmp_path, args, message):
     import re

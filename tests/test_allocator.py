@@ -1,0 +1,50 @@
+"""--allocator: JAX's GPU allocator chosen before the backends start, a late change refused, a bad name refused."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from dflash_jax.allocator import ENV, current_allocator, select_allocator
+from dflash_jax.config import ConfigError
+
+PROBE = """
+import os, jax
+from dflash_jax.allocator import ENV, select_allocator
+from dflash_jax.config import ConfigError
+print(select_allocator(None), select_allocator("cuda_async"), os.environ[ENV])
+jax.devices()
+print(select_allocator("cuda_async"))
+try:
+    select_allocator("bfc")
+except ConfigError as e:
+    print("refused:", e)
+"""
+
+
+def test_the_allocator_is_chosen_before_jax_starts_and_kept_after():
+    env = {**{k: v for k, v in os.environ.items() if k != ENV}, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "bfc cuda_async cuda_async" and lines[1] == "cuda_async"
+    assert lines[2].startswith("refused: --allocator bfc: JAX's backends have started with the cuda_async allocator")
+
+
+def test_a_bad_or_late_allocator_is_refused_in_process():
+    """Here JAX has started (the suite's other tests): the allocator in force is kept, another is refused, and an
+    unknown name is refused before anything else."""
+    import jax
+
+    jax.devices()
+    now = current_allocator()
+    assert select_allocator(None) == now == select_allocator(now)
+    other = "bfc" if now != "bfc" else "cuda_async"
+    with pytest.raises(ConfigError, match=f"--allocator {other}: JAX's backends have started"):
+        select_allocator(other)
+    with pytest.raises(ConfigError, match="allocator must be one of bfc, cuda_async; got 'vmm'"):
+        select_allocator("vmm")
+    assert current_allocator() == now
