@@ -393,6 +393,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n_gen", type=int, default=256)
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed at long contexts")
     ap.add_argument("--iters", type=int, default=10, help="calls per phase timing (median)")
+    ap.add_argument("--phases", action=argparse.BooleanOptionalAction, default=True,
+                    help="time each steps row's phases, each jitted apart, and the oracle (--no-phases: the fused "
+                         "step alone, which skips their compiles, for a quick A/B)")
     ap.add_argument("--max_ctx", type=int, default=4096)
     ap.add_argument("--long", default="4096,32768", help="contexts to time AR and DDTree steps at")
     ap.add_argument("--long_slots", type=int, default=0, metavar="N",
@@ -596,7 +599,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 break
             engine = build(target, draft, dataclasses.replace(base, mode=mode, budget=budget), forced=True)
             engine.dparams = forced_params(engine, draft, len(prompt), sequence, rate_for_steps)
-            if pcfg.devices == 1:  # the phases jitted apart take one device's target
+            if pcfg.devices == 1 and args.phases:  # the phases jitted apart take one device's target
                 state, first = engine.start(prompt, args.max_ctx - len(prompt), NO_STOPS)
                 phases = phase_times(engine, state, args.iters)
                 del state

@@ -152,6 +152,22 @@ def test_bench_refuses_bad_prefill_flags(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_bench_steps_without_their_phases(tmp_path, capsys):
+    """--no-phases: the steps row has the fused step's time, and neither phases nor the oracle are timed (nor
+    compiled)."""
+    import bench
+
+    out = tmp_path / "bench.json"
+    run_script(bench, ["--model", "tiny", "--out", str(out), "--sections", "steps", "--budgets", "4", "--no-chain",
+                       "--max_ctx", "256", "--prompt_len", "16", "--n_gen", "32", "--iters", "1", "--impl",
+                       "reference", "--step_error_rate", "0.2", "--no-phases"])
+    res = json.loads(out.read_text())
+    step, = res["steps"]
+    assert step["phases_ms"] is None and step["step_ms"] > 0 and step["follows_sequence"]
+    assert "oracle_ms" not in res
+    assert " ddtree      4       -       -       -       - " in capsys.readouterr().out
+
+
 def test_bench_times_a_sharded_step_whole(tmp_path):
     """--devices 2 (two CPU devices, a process of its own): the steps row has the fused step's time and AR's tokens,
     and no phases (phase timing takes one device's target)."""
