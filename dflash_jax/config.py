@@ -195,6 +195,10 @@ MAX_TREE_NODES = 64  # verify width (root included) the kernels are built for
 # The gated delta rule's inner block (reference.gdn_chunked, pallas_kernels/gdn.py): a prefill chunk is a multiple of
 # it; the default chunk is one block (a larger one is one compiled shape per size, for throughput: issue 42)
 PREFILL_BLOCK = 64
+# Compile the decode step during the prefill (EngineConfig.compile_ahead): on an H200 the synthetic 27B pair's cold
+# DDTree TTFT is 63.6 against 98.7 s, 4.0 against 6.8 s with a warm cache
+# (scripts/results/ttft_compile_ahead_h200_nov29.txt)
+COMPILE_AHEAD = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,9 +226,8 @@ class EngineConfig:
     # (dflash_jax/engine/programs.py; --program_cache puts it in --jit_cache's folder); "" keeps none
     program_cache: str = ""
     # compile the decode step on a thread while the prompt is prefilled (Engine._compile_ahead; one device), so that
-    # a cold start's two largest compiles run side by side (H200 cold DDTree TTFT 98.7 -> 63.6 s, warm cache
-    # 6.8 -> 4.0 s: scripts/results/ttft_compile_ahead_h200_nov29.txt)
-    compile_ahead: bool = True
+    # a cold start's two largest compiles run side by side
+    compile_ahead: bool = COMPILE_AHEAD
 
     def __post_init__(self):
         check_prefill_chunk(self.prefill_chunk)
@@ -255,7 +258,7 @@ class EngineConfig:
     def step_config(self) -> "EngineConfig":
         """This configuration as the decode step sees it: the prefill chunk and compile-ahead, which the step does not
         read, at their defaults, so engines that differ only there share one jitted (and compiled) step."""
-        return dataclasses.replace(self, prefill_chunk=PREFILL_BLOCK, compile_ahead=True)
+        return dataclasses.replace(self, prefill_chunk=PREFILL_BLOCK, compile_ahead=COMPILE_AHEAD)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import jax
 
-from dflash_jax.config import (DRAFT_CTX, DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, PREFILL_BLOCK, ConfigError,
-                               EngineConfig, KernelConfig)
+from dflash_jax.config import (COMPILE_AHEAD, DRAFT_CTX, DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, PREFILL_BLOCK,
+                               ConfigError, EngineConfig, KernelConfig)
 
 DEVICE_CLASSES = ("cpu", "gpu", "hopper")
 
@@ -116,7 +116,7 @@ def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | No
 def resolve_engine(mode: str = "ddtree", *, budget: int | None = None, topk: int = 8, chain_seed: bool | None = None,
                    max_ctx: int = 4096, kv_type: str | None = None, kv_type_k: str | None = None,
                    kv_type_v: str | None = None, draft_ctx: int | None = None, draft_rule: str = "coupled",
-                   prefill_chunk: int | None = None, program_cache: str = "", compile_ahead: bool = True,
+                   prefill_chunk: int | None = None, program_cache: str = "", compile_ahead: bool = COMPILE_AHEAD,
                    device: str | None = None) -> EngineConfig:
     """The EngineConfig of the decoding flags, a None taking the device class's default (budget, KV type; K's and
     V's types default to kv_type; the drafter's context bound EngineConfig's, 0 for the whole context; the prefill

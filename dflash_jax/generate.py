@@ -26,8 +26,8 @@ from typing import Sequence
 
 from dflash_jax import assets
 from dflash_jax.allocator import current_allocator
-from dflash_jax.config import (DRAFT_CTX, DRAFT_RULES, KV_TYPES, NUMERICS, PREFILL_BLOCK, SINGLE_DEVICE, EngineConfig,
-                               KernelConfig, ParallelConfig)
+from dflash_jax.config import (COMPILE_AHEAD, DRAFT_CTX, DRAFT_RULES, KV_TYPES, NUMERICS, PREFILL_BLOCK, SINGLE_DEVICE,
+                               EngineConfig, KernelConfig, ParallelConfig)
 from dflash_jax.defaults import DEVICE_DEFAULTS, device_class, least_free, resolve_engine, resolve_kernels
 from dflash_jax.engine.generate import Engine
 from dflash_jax.engine.prefill import check_tokens
@@ -233,7 +233,7 @@ def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_ro
                           max_ctx=f.max_ctx if max_ctx is None else max_ctx, kv_type=f.kv_type,
                           kv_type_k=f.kv_type_k, kv_type_v=f.kv_type_v, draft_ctx=f.draft_ctx,
                           draft_rule=f.draft_rule, prefill_chunk=f.prefill_chunk, program_cache=program_folder(f),
-                          compile_ahead=bool(getattr(f, "compile_ahead", True)))
+                          compile_ahead=bool(getattr(f, "compile_ahead", COMPILE_AHEAD)))
     kcfg = resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics)
     return ecfg, kcfg
 
@@ -468,8 +468,8 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_bool("program_cache", True, "Also keep the lowered decode step and prefill chunk in --jit_cache's "
                       "folder, so that a later run skips tracing and lowering them (a warm start's largest part on a "
                       "GPU; one device only; off with --jit_cache off).", flag_values=fv)
-    flags.DEFINE_bool("compile_ahead", True, "Compile the decode step on a thread while the prompt is prefilled, so "
-                      "that a cold start's two largest compiles run side by side (one device only; "
+    flags.DEFINE_bool("compile_ahead", COMPILE_AHEAD, "Compile the decode step on a thread while the prompt is "
+                      "prefilled, so that a cold start's two largest compiles run side by side (one device only; "
                       "--nocompile_ahead compiles it at the first step).", flag_values=fv)
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.allocator import current_allocator
-from dflash_jax.config import DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
+from dflash_jax.config import COMPILE_AHEAD, DRAFT_RULES, IMPLS, KV_TYPES, NUMERICS, EngineConfig, KernelConfig
 from dflash_jax.engine.state import tree_bytes
 from dflash_jax.generate import resolve_flags
 
@@ -55,7 +55,7 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
                     help="exact (speculative decoding emits what AR emits) or fast (not exact); default: the device's")
     ap.add_argument("--draft_rule", choices=DRAFT_RULES, default="coupled",
                     help="what a sampled step builds its tree from (generate's --draft_rule)")
-    ap.add_argument("--compile_ahead", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--compile_ahead", action=argparse.BooleanOptionalAction, default=COMPILE_AHEAD,
                     help="compile the step on a thread while the prompt is prefilled (generate's --compile_ahead)")
     ap.add_argument("--nocompile_ahead", dest="compile_ahead", action="store_false", help=argparse.SUPPRESS)
 
