@@ -241,6 +241,9 @@ def fake_context(state, length: int, seed: int = 0):
     caches; a drafter's ring filled whole), for timing long contexts without prefilling them; GDN and conv state stay
     as they were."""
     key = jax.random.key(seed)
+    # placed as the engine's own state is: committed over a mesh, uncommitted on one device, where the step compiled
+    # ahead (EngineConfig.compile_ahead) was lowered for an uncommitted state and a committed one compiles it again
+    committed = any(x.committed for x in jax.tree.leaves(state))
 
     def rand(x, i, ring=False):  # slots 0..length-1 of each layer (all of a ring's), a page at a time
         n = min(length, x.shape[1]) if ring else length
@@ -250,7 +253,7 @@ def fake_context(state, length: int, seed: int = 0):
         return fill_random(x, jax.random.fold_in(key, i), pages=-(-n // size), page=size)
 
     def placed(like):  # the new length where the old one lies (over a mesh, another placement compiles the step again)
-        return jax.device_put(jnp.int32(length), like.sharding)
+        return jax.device_put(jnp.int32(length), like.sharding) if committed else jnp.int32(length)
 
     t = state.target
     t = dataclasses.replace(t, k=rand(t.k, 0), v=rand(t.v, 1), length=placed(t.length))
@@ -260,9 +263,9 @@ def fake_context(state, length: int, seed: int = 0):
                                 v=tuple(rand(x, 3 + 2 * g, ring) for g, (x, ring) in enumerate(zip(d.v, d.rings))),
                                 length=placed(d.length))
     state = dataclasses.replace(state, target=t, draft=d)
-    # every leaf committed where it lies, as a step's outputs are: a state half committed (the filled caches and the
-    # length) and half not (the rest, as `start` left it) compiled the step a second time on its second call
-    return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state))
+    # over a mesh every leaf committed where it lies, as a step's outputs are: a state half committed (the filled
+    # caches and the length) and half not (the rest, as `start` left it) compiled the step a second time
+    return jax.device_put(state, jax.tree.map(lambda x: x.sharding, state)) if committed else state
 
 
 # ---------------------------------------------------------------------------------------------------------------
