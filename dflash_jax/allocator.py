@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from jax._src import xla_bridge
+from jax._src import xla_bridge  # backends_are_initialized: no public API says whether JAX has started
 
 from dflash_jax.config import ConfigError
 
