@@ -236,16 +236,25 @@ def _commit_kernel(block_v: int, precision, leaf_ref, path_ref, k_ref, vn_ref, g
                                 + _dot(wts[:, None] * k, vn_ref[layer, :, h, cols], precision, ta=True))
 
 
+def _commit_tiles(n: int) -> tuple[int, int]:
+    """(state columns, warps) of a commit program: the 27B's 48 layers on an H200 took 137 us for one token on 32
+    columns and 4 warps (211 on 32 and 8) and 268 us for a 23-node tree on 16 and 8 (348 on 32 and 8), with the same
+    bits (scripts/results/gdn_commit_tiles_h200_nov28.txt)."""
+    return (32, 4) if n == 1 else (16, 8)
+
+
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret", "exact"))
 def gdn_commit(ssm: jax.Array, k: jax.Array, v_new: jax.Array, gamma: jax.Array, path: jax.Array,
-               leaf: jax.Array, *, block_v: int = 32, num_warps: int = 8, interpret: bool = False,
+               leaf: jax.Array, *, block_v: int | None = None, num_warps: int | None = None, interpret: bool = False,
                exact: bool = True) -> jax.Array:
     """Every layer's state after the accepted path: ssm [L, H, dk, dv] (updated in place where its buffer is not
     needed afterwards, e.g. inside the jitted step), k [L, N, H, dk],
-    v_new [L, N, H, dv], gamma [L, N, H] from verify, path [N] bool, leaf [] -> [L, H, dk, dv]."""
+    v_new [L, N, H, dv], gamma [L, N, H] from verify, path [N] bool, leaf [] -> [L, H, dk, dv]; tiles by
+    `_commit_tiles` unless given."""
     layers, h, dk, dv = ssm.shape
     n = k.shape[1]
-    block_v = min(block_v, dv)
+    tiles = _commit_tiles(n)
+    block_v, num_warps = min(block_v or tiles[0], dv), num_warps or tiles[1]
     n_pad = dot_tile(n)
     pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, n_pad - n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     path = jnp.pad(path, (0, n_pad - n)).astype(jnp.int32)
