@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 import jax
 
-from dflash_jax.allocator import ALLOCATORS, select_allocator
+from dflash_jax.allocator import ALLOCATORS, choose_allocator
 from dflash_jax.config import SINGLE_DEVICE, ConfigError, ParallelConfig
 from dflash_jax.parallel import parallel_config
 
@@ -32,7 +32,8 @@ def define_process_flags(fv=None) -> None:
                          "process 0 prints the output.", flag_values=fv)
     flags.DEFINE_enum("allocator", None, list(ALLOCATORS), "JAX's GPU memory allocator for this process: bfc (JAX's "
                       "pool) or cuda_async (CUDA's stream-ordered pool, which leaves no slack after the load). "
-                      "Default: XLA_PYTHON_CLIENT_ALLOCATOR's, else bfc.", flag_values=fv)
+                      "Default: XLA_PYTHON_CLIENT_ALLOCATOR's, else cuda_async on one device and bfc over several.",
+                      flag_values=fv)
 
 
 def add_process_arguments(parser: Any) -> None:
@@ -41,7 +42,8 @@ def add_process_arguments(parser: Any) -> None:
     parser.add_argument("--num_processes", type=int, default=None, help="several hosts: how many processes")
     parser.add_argument("--process_id", type=int, default=None, help="several hosts: this process's number")
     parser.add_argument("--allocator", choices=ALLOCATORS, default=None,
-                        help="JAX's GPU memory allocator, as generate's (default: the environment's, else bfc)")
+                        help="JAX's GPU memory allocator, as generate's (default: the environment's, else cuda_async "
+                        "on one device, bfc over several)")
 
 
 def processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> ParallelConfig:
@@ -74,8 +76,8 @@ def parallel_from_flags(f: Any, command: str, several: bool = False) -> Parallel
     argparse's), the GPU allocator of `allocator` chosen and the processes joined first (`join`): the one place a
     command resolves them. A command that does not run over several processes (not `several`) is refused them before
     any process waits for another."""
-    select_allocator(getattr(f, "allocator", None))
     base = processes(f.coordinator, f.num_processes, f.process_id)
+    choose_allocator(getattr(f, "allocator", None), one_device=str(f.devices) == "1" and base.coordinator is None)
     if base.num_processes > 1 and not several:
         raise ConfigError(f"{command} over several processes (--num_processes {base.num_processes}) is not "
                           f"implemented: generate runs over several hosts; {command} takes --num_processes 1")

@@ -24,11 +24,11 @@ def generate(*args, jit_cache="", stdin=None):
 def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
     """ar and ddtree (--json) on the fixture pair give the same ids: HF transformers' greedy continuation (chain
     mode is checked in-process by test_engine, which keeps this subprocess test short); ddtree prefills its prompt in
-    one chunk of 128 tokens and compiles its step ahead, during the prefill (the default), and takes the cuda_async
-    allocator (on a CPU only the choice is recorded)."""
+    one chunk of 128 tokens and compiles its step ahead, during the prefill (the default); ar takes the default
+    allocator on one device, cuda_async, and ddtree --allocator bfc (on a CPU only the choice is recorded)."""
     want = np.load(TINY / "ref.npz")["hf_q_greedy"][:20].tolist()
     runs = {}
-    for mode, chunk, more in (("ar", "64", ["--nocompile_ahead"]), ("ddtree", "128", ["--allocator", "cuda_async"])):
+    for mode, chunk, more in (("ar", "64", ["--nocompile_ahead"]), ("ddtree", "128", ["--allocator", "bfc"])):
         proc = generate("--target", str(tiny_gguf_path), "--draft", str(TINY / "draft-full"), "--prompt_ids",
                         str(TINY / "tokens.npy"), "--n_gen", "20", "--mode", mode, "--prefill_chunk", chunk, "--json",
                         *more, jit_cache=jit_cache)
@@ -40,7 +40,7 @@ def test_every_mode_returns_the_greedy_ids(tiny_gguf_path, jit_cache):
     assert runs["ddtree"]["prompt_ids"] == np.load(TINY / "tokens.npy").tolist()
     assert runs["ar"]["prefill_chunk"] == 64 and runs["ddtree"]["prefill_chunk"] == 128
     assert not runs["ar"]["compile_ahead"] and runs["ddtree"]["compile_ahead"]
-    assert runs["ar"]["allocator"] == "bfc" and runs["ddtree"]["allocator"] == "cuda_async"
+    assert runs["ar"]["allocator"] == "cuda_async" and runs["ddtree"]["allocator"] == "bfc"
 
 
 def test_a_quantized_kv_cache_from_the_command_line(tiny_gguf_path, jit_cache):
