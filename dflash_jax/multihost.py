@@ -77,7 +77,9 @@ def parallel_from_flags(f: Any, command: str, several: bool = False) -> Parallel
     command resolves them. A command that does not run over several processes (not `several`) is refused them before
     any process waits for another."""
     base = processes(f.coordinator, f.num_processes, f.process_id)
-    choose_allocator(getattr(f, "allocator", None), one_device=str(f.devices) == "1" and base.coordinator is None)
+    devices = str(f.devices).strip()
+    choose_allocator(getattr(f, "allocator", None),
+                     one_device=base.coordinator is None and devices.isdigit() and int(devices) == 1)
     if base.num_processes > 1 and not several:
         raise ConfigError(f"{command} over several processes (--num_processes {base.num_processes}) is not "
                           f"implemented: generate runs over several hosts; {command} takes --num_processes 1")

@@ -34,6 +34,7 @@ def test_the_allocator_is_chosen_before_jax_starts_and_kept_after():
     assert lines[0] == "bfc cuda_async cuda_async" and lines[1] == "cuda_async"
     assert lines[2].startswith("refused: --allocator bfc: JAX's backends have started with the cuda_async allocator")
 
+
 DEFAULTS = """
 import os, jax
 from dflash_jax.allocator import ENV, choose_allocator
@@ -54,6 +55,27 @@ def test_a_commands_default_allocator():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["bfc None", "cuda_async cuda_async", "bfc cuda_async cuda_async", "cuda_async"]
+
+
+FLAGS = """
+import os, sys, types
+from dflash_jax.allocator import ENV
+from dflash_jax.multihost import parallel_from_flags
+f = types.SimpleNamespace(devices=sys.argv[1], coordinator=None, num_processes=None, process_id=None, allocator=None)
+print(parallel_from_flags(f, "test").devices, os.environ.get(ENV))
+"""
+
+
+@pytest.mark.parametrize("devices,want", [("1", "1 cuda_async"), ("2", "2 None"), ("all", "2 None")])
+def test_the_commands_flags_pick_the_default(devices, want):
+    """parallel_from_flags, as every command resolves its flags: one device takes cuda_async, --devices 2 or all
+    leave JAX's pool."""
+    env = {**{k: v for k, v in os.environ.items() if k != ENV}, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-c", FLAGS, devices], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == want.split()
 
 
 def test_a_bad_or_late_allocator_is_refused_in_process():
