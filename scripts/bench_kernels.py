@@ -307,7 +307,10 @@ def _attention_caches(key: jax.Array, layers: int, slots: int, hkv: int, d: int,
 
 
 def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True,
-                         kv_types: tuple[str, ...] = ("bf16",)) -> list[dict]:
+                         kv_types: tuple[str, ...] = ("bf16",), splits: tuple[int, ...] = ()) -> list[dict]:
+    """The 27B's tree attention (16 layers, `n` tree tokens) over a random cache of each context and type: the
+    kernel at its defaults, at each prefix split of `splits`, with `sweep` at the tile variants and splits 8-64,
+    and XLA's reference."""
     cfg = load_target_config(CONFIG_27B)
     layers, hq, hkv, d = len(cfg.full_attention_layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     anc, lo = _random_tree(n), jnp.zeros(n, jnp.int32)
@@ -326,7 +329,7 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
         read = lambda cs: [(kvq.readable(kc), kvq.readable(vc)) for kc, vc in cs]  # noqa: E731
         rows_b = kvq.readable(kb), kvq.readable(vb)
         want = ref.tree_attention(q, *read(caches[:1])[0], length, *rows_b, anc, lo)
-        variants = [dict()]
+        variants = [dict()] + [dict(splits=sp) for sp in splits]
         if sweep:
             # tiles at the default split, then the split at the default tile (the 2026-11-23 and -27 files hold
             # an earlier sweep of splits x tiles: splits 8-64 changed little)
@@ -536,6 +539,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", nargs="+", default=["qmatmul", "tree_attention", "gdn"],
                     choices=["qmatmul", "qmatmul_mgpu", "qmatmul_groups", "tree_attention", "gdn", "tree_conv"],
                     help="which kernels to time")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768],
+                    help="tree_attention's committed contexts in tokens (default: 4096 32768)")
+    ap.add_argument("--attn_splits", type=int, nargs="+", default=[],
+                    help="tree_attention also at these prefix splits (the default: one per 1024 slots, at most 32)")
     ap.add_argument("--kv_types", nargs="+", choices=KV_TYPES, default=["bf16"],
                     help="tree_attention's cache types (K and V alike)")
     ap.add_argument("--numerics", choices=NUMERICS, default=None,
@@ -558,7 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     if "qmatmul_groups" in args.kernels:
         rows += bench_qmatmul_groups(args.m, stream)
     if "tree_attention" in args.kernels:
-        rows += bench_tree_attention(stream, args.sweep, exact=exact, kv_types=tuple(args.kv_types))
+        rows += bench_tree_attention(stream, args.sweep, contexts=tuple(args.contexts), exact=exact,
+                                     kv_types=tuple(args.kv_types), splits=tuple(args.attn_splits))
     if "gdn" in args.kernels:
         rows += bench_gdn(stream, exact=exact)
         if args.sweep:
