@@ -307,10 +307,11 @@ def _attention_caches(key: jax.Array, layers: int, slots: int, hkv: int, d: int,
 
 
 def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True,
-                         kv_types: tuple[str, ...] = ("bf16",), splits: tuple[int, ...] = ()) -> list[dict]:
+                         kv_types: tuple[str, ...] = ("bf16",), splits: tuple[int, ...] = (),
+                         interpret: bool = False) -> list[dict]:
     """The 27B's tree attention (16 layers, `n` tree tokens) over a random cache of each context and type: the
     kernel at its defaults, at each prefix split of `splits`, with `sweep` at the tile variants and splits 8-64,
-    and XLA's reference."""
+    and XLA's reference; `interpret` runs the kernel in interpret mode (a CPU check of the harness)."""
     cfg = load_target_config(CONFIG_27B)
     layers, hq, hkv, d = len(cfg.full_attention_layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     anc, lo = _random_tree(n), jnp.zeros(n, jnp.int32)
@@ -340,7 +341,7 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
         for opts in variants:
             try:
                 run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo, exact=exact,
-                                                                    **o) for kc, vc in cs])
+                                                                    interpret=interpret, **o) for kc, vc in cs])
                 err = float(jnp.linalg.norm(run(q, caches)[0] - want) / jnp.linalg.norm(want))
                 t = median_seconds(run, q, caches)
             except Exception as e:  # a variant that does not compile is a result of the sweep, not a failure

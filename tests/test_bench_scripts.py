@@ -253,6 +253,18 @@ def test_bench_resolves_the_configuration_generate_resolves():
     assert bench.parse_args(["--out", "x.json", "--no-compile_ahead"]).compile_ahead is False
 
 
+def test_bench_kernels_tree_attention_at_a_context_and_splits_asked_for():
+    """bench_kernels' tree attention at a context and a prefix split asked for (`--contexts`, `--attn_splits`), the
+    kernel in interpret mode: a row for the defaults, one for the split and XLA's, each kernel row within the
+    kernel's bf16 rounding of the float32 reference."""
+    import bench_kernels
+
+    rows = bench_kernels.bench_tree_attention(1e12, False, contexts=(40,), splits=(2,), interpret=True)
+    assert [(r["kernel"], r["context"], r.get("splits")) for r in rows] == [
+        ("tree_attention", 40, None), ("tree_attention", 40, 2), ("xla_tree_attention", 40, None)]
+    assert all(r["rel_err"] < 5e-3 and r["us"] > 0 for r in rows[:2])
+
+
 def test_bench_kernels_qmatmul_section_on_a_small_matrix(capsys):
     """bench_kernels' qmatmul section on one small matrix, the kernels in interpret mode: rows for the default tiles,
     a variant at one M only and XLA, and the table; a CPU trace has no GPU kernel time, so none is given."""
