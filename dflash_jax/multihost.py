@@ -13,7 +13,7 @@ import jax
 
 from dflash_jax.allocator import ALLOCATORS, choose_allocator
 from dflash_jax.config import SINGLE_DEVICE, ConfigError, ParallelConfig
-from dflash_jax.parallel import parallel_config
+from dflash_jax.parallel import device_count_flag, parallel_config
 
 PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
 
@@ -77,9 +77,8 @@ def parallel_from_flags(f: Any, command: str, several: bool = False) -> Parallel
     command resolves them. A command that does not run over several processes (not `several`) is refused them before
     any process waits for another."""
     base = processes(f.coordinator, f.num_processes, f.process_id)
-    devices = str(f.devices).strip()
     choose_allocator(getattr(f, "allocator", None),
-                     one_device=base.coordinator is None and devices.isdigit() and int(devices) == 1)
+                     one_device=base.coordinator is None and device_count_flag(f.devices) == 1)
     if base.num_processes > 1 and not several:
         raise ConfigError(f"{command} over several processes (--num_processes {base.num_processes}) is not "
                           f"implemented: generate runs over several hosts; {command} takes --num_processes 1")

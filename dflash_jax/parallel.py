@@ -48,15 +48,25 @@ def check_present(n: int) -> None:
         raise ConfigError(f"--devices {n}: only {present} {where}device(s) present ({jax.default_backend()})")
 
 
+def device_count_flag(devices: str | int) -> int | None:
+    """The count a `--devices` value names; None for "all" and for a value that is no count (which
+    `parallel_config` refuses). Reads no device: callable before JAX starts."""
+    if devices == "all":
+        return None
+    try:
+        return int(devices)
+    except (TypeError, ValueError):
+        return None
+
+
 def parallel_config(devices: str | int, processes: ParallelConfig = SINGLE_DEVICE) -> ParallelConfig:
     """The ParallelConfig of a `--devices` value: a count of local devices that are present, or "all"; for the
     processes of `processes` (joined: `multihost.join`), "all" or the count of every process's devices."""
     if devices == "all":
         return dataclasses.replace(processes, devices=jax.device_count())
-    try:
-        count = int(devices)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--devices {devices!r} should be a device count or 'all'") from None
+    count = device_count_flag(devices)
+    if count is None:
+        raise ConfigError(f"--devices {devices!r} should be a device count or 'all'")
     if count < 1:
         raise ConfigError(f"--devices {count} must be at least 1 (or 'all')")
     if processes.coordinator is not None and count != jax.device_count():
