@@ -331,7 +331,7 @@ def _specs(t: int, at) -> list:
 def _body(t: int, steps: int, stages: int, multiply, extra_specs: tuple, starts: tuple[int, ...], *refs):
     """A program per (row tile, K split), `steps` super-blocks each, over the row tiles of one or more weights side
     by side (weight j's first tile is `starts[j]`). `refs`: x in GMEM, each weight's quants, scales and further
-    inputs (`extra_specs`), the output [splits, N, t] (the weights' rows in order), its SMEM tile;
+    inputs (`extra_specs`), the output [splits, t, N] (the weights' rows in order), its SMEM tile [t, 64];
     `multiply(*input_smem, acc_ref)` one step. A program computes what it computes for that weight alone."""
     x_gmem, *fields, o_gmem, o_smem = refs
     ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("k")
@@ -346,9 +346,12 @@ def _body(t: int, steps: int, stages: int, multiply, extra_specs: tuple, starts:
                                 max_concurrent_steps=stages)(quants, x_gmem, scales, *extra)
             return acc_ref[...]
 
-        o_smem[...] = pl.run_scoped(compute, plgpu.ACC((ROWS, t), jnp.float32))
+        acc = pl.run_scoped(compute, plgpu.ACC((ROWS, t), jnp.float32))
+        # tokens-major out: XLA's sum of the splits is then elementwise into the consumer, no transpose launch; the
+        # transposed layout makes the store into the transposed tile legal (a shuffle between lane pairs)
+        o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * ROWS, ROWS)])
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, :, pl.ds(ni * ROWS, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     if len(starts) == 1:
@@ -376,11 +379,11 @@ def grid_product(x_operand: jax.Array, weights: tuple[tuple[jax.Array, ...], ...
     starts = tuple(int(s) // ROWS for s in np.cumsum((0,) + tuple(rows[:-1])))
     n, t = sum(rows), x_operand.shape[0]
     body = functools.partial(_body, t, blocks // splits, stages, multiply, tuple(extra_specs), starts)
-    out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((splits, n, t), jnp.float32),
+    out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((splits, t, n), jnp.float32),
                        grid=(n // ROWS, splits), grid_names=("n", "k"),
-                       scratch_types=[plgpu.SMEM((ROWS, t), jnp.float32)],
+                       scratch_types=[plgpu.SMEM((t, ROWS), jnp.float32)],
                        kernel_name=name)(x_operand, *(a for w in weights for a in w))
-    whole = sum_splits(out, n, m).T  # out is [splits, N, tokens]
+    whole = sum_splits(out, m, n)  # out is [splits, tokens, N]
     return jnp.split(whole, np.cumsum(rows[:-1]), axis=1) if len(rows) > 1 else [whole]
 
 

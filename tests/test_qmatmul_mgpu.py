@@ -101,12 +101,12 @@ def test_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("m", [1, 23, 64])
 def test_lowers_for_cuda_on_a_cpu(m):
     """Tracing and Mosaic GPU's lowering (layouts, transforms, TMA shapes, the inline PTX's operands) run without a
-    GPU; the K splits' partial products come out [splits, N, tokens] for XLA to add."""
+    GPU; the K splits' partial products come out [splits, tokens, N] for XLA to add."""
     w = mgpu_pack(q4k(128, 1024))
     x = jnp.zeros((m, 1024), jnp.float32)
     text = mg.qmatmul.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     t = -(-m // 8) * 8
-    assert "mosaic_gpu" in text and f"tensor<4x128x{t}xf32>" in text
+    assert "mosaic_gpu" in text and f"tensor<4x{t}x128xf32>" in text
 
 
 def test_weights_are_rounded_once_to_float16():
@@ -201,7 +201,7 @@ def launches(fn, *args) -> list[str]:
 
 def test_weights_of_one_key_share_a_launch():
     """qmatmul_many: weights of one format and K in the Mosaic layout alone are one launch whose output holds their
-    rows side by side (one float32 [splits, N1 + N2, tokens]); weights of another format or K, or with another
+    rows side by side (one float32 [splits, tokens, N1 + N2]); weights of another format or K, or with another
     layout, take their own launches; mismatched K or K splits are refused."""
     gate, up = (qm.pack("Q4_K", (128, 1024), q4k(128, 1024, seed=s).data, mgpu="only") for s in (1, 2))
     other = qm.pack("Q4_K", (192, 1024), q4k(192, 1024, seed=3).data, mgpu="only")
@@ -211,7 +211,7 @@ def test_weights_of_one_key_share_a_launch():
     assert qm.launch_key(gate) == qm.launch_key(other) == ("Q4_K", 1024, 4) != qm.launch_key(q6)
     assert launches(qm.qmatmul_many, x, (gate, up, other)) == ["mosaic_gpu_v2"]
     text = jax.jit(qm.qmatmul_many).trace(x, (gate, up, other)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "tensor<4x448x8xf32>" in text
+    assert "tensor<4x8x448xf32>" in text
     assert launches(qm.qmatmul_many, x, (gate, q6)) == ["mosaic_gpu_v2"] * 2
     beside = qm.pack("Q4_K", (192, 1024), q4k(192, 1024, seed=1).data, mgpu="beside")
     assert qm.launch_key(beside) is None and len(launches(qm.qmatmul_many, x, (gate, beside))) == 2
