@@ -147,6 +147,9 @@ class KernelConfig:
     # (products of 2-64 tokens on Mosaic GPU, one token on the int8 GEMV; the quants held twice); "only" (every
     # product of those matrices on Mosaic GPU, one token padded to 8)
     mgpu: str = "off"
+    # tree attention over bf16 and q8_0 caches (blocks of at most 64 tokens) on the Mosaic GPU kernel
+    # (pallas_kernels/tree_attention_mgpu.py) instead of the Triton one; Hopper (or interpret mode, for tests)
+    mgpu_attention: bool = False
     small_rows: int = 64  # with pallas, quantized matrices of fewer rows go to XLA's product as float32
     # "exact": every product rounds its operands the same way whatever the number of tokens, so a position's logits
     # do not depend on how many tokens share its forward and speculative decoding emits what AR emits
@@ -159,6 +162,8 @@ class KernelConfig:
         _check(self.mgpu in MGPU_LAYOUTS, f"mgpu layout {self.mgpu!r} is not one of {', '.join(MGPU_LAYOUTS)}")
         _check(self.mgpu == "off" or (self.impl == "pallas" and not self.interpret),
                f"the Mosaic GPU layout ({self.mgpu!r}) needs impl 'pallas' on a Hopper GPU (no interpret mode)")
+        _check(not self.mgpu_attention or self.impl == "pallas",
+               "the Mosaic GPU tree attention needs impl 'pallas' (on a Hopper GPU, or in interpret mode for tests)")
         _check(not self.interpret or self.impl == "pallas", "interpret mode is for the Pallas kernels (impl 'pallas')")
         _check(self.small_rows >= 0, f"small_rows {self.small_rows} must be at least 0")
         _check(self.numerics in NUMERICS, f"numerics {self.numerics!r} is not one of {', '.join(NUMERICS)}")
@@ -182,6 +187,7 @@ class KernelConfig:
             return "reference kernels (jnp and XLA)"
         layout = {"off": "Triton kernels", "beside": "Mosaic GPU beside Triton for Q4_K/Q6_K",
                   "only": "Mosaic GPU for Q4_K/Q6_K"}[self.mgpu]
+        layout += ", tree attention on Mosaic GPU" if self.mgpu_attention else ""
         return (f"Pallas kernels{' in interpret mode' if self.interpret else ''}: {layout}, matrices under "
                 f"{self.small_rows} rows on XLA, {self.numerics} numerics")
 

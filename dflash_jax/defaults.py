@@ -85,13 +85,15 @@ def least_free(devices: Sequence[jax.Device]) -> tuple[int | None, jax.Device]:
 
 
 def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | None = None,
-                    small_rows: int | None = None, numerics: str | None = None, device: str | None = None
-                    ) -> KernelConfig:
+                    small_rows: int | None = None, numerics: str | None = None, device: str | None = None,
+                    mgpu_attention: bool = False) -> KernelConfig:
     """The KernelConfig for a decoding mode on a device class (default: this machine's) from the user's choices.
 
     impl: `auto` (the device's), `reference` or `pallas` (on a CPU: in interpret mode). mgpu: None (the device's),
     True (every Q4_K/Q6_K matrix in the Mosaic GPU layout alone; Hopper only) or False. numerics: None
-    (the device's), "exact" (speculative decoding emits what AR emits) or "fast" (KernelConfig.numerics)."""
+    (the device's), "exact" (speculative decoding emits what AR emits) or "fast" (KernelConfig.numerics).
+    mgpu_attention: tree attention over bf16 and q8_0 caches on the Mosaic GPU kernel (Hopper only; off by default
+    until a GPU measurement says otherwise)."""
     device = device or device_class()
     if device not in DEVICE_CLASSES:
         raise ConfigError(f"device class {device!r} is not one of {', '.join(DEVICE_CLASSES)}")
@@ -107,9 +109,12 @@ def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | No
         if mgpu and device != "hopper":
             raise ConfigError("the Mosaic GPU layout (--mgpu) needs a Hopper GPU (compute capability 9.x)")
         layout = "only" if mgpu else "off"
+    if mgpu_attention and (device != "hopper" or impl != "pallas"):
+        raise ConfigError("the Mosaic GPU tree attention (--mgpu_attention) needs a Hopper GPU and the Pallas kernels")
     if impl == "reference":
         layout = "off"
     return KernelConfig(impl=impl, interpret=impl == "pallas" and device == "cpu", mgpu=layout, numerics=numerics,
+                        mgpu_attention=mgpu_attention,
                         **({} if small_rows is None else {"small_rows": small_rows}))
 
 

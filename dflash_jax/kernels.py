@@ -25,6 +25,7 @@ from dflash_jax.quant import linear as reference_linear
 from pallas_kernels import gdn
 from pallas_kernels import qmatmul as qm
 from pallas_kernels import reference as ref
+from pallas_kernels import tree_attention_mgpu
 from pallas_kernels.tree_attention import tree_attention as tree_attention_kernel
 from pallas_kernels.tree_conv import tree_conv as tree_conv_kernel
 
@@ -128,6 +129,9 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
         # 1024 tokens at 32K); a verified tree and a 64-token chunk keep the one-pass softmax the parity tests hold
         attend = ref.tree_attention_blockwise if q.shape[0] > PREFILL_BLOCK else ref.tree_attention
         return attend(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer)
+    if kcfg.mgpu_attention and tree_attention_mgpu.supports(q, k_cache, v_cache, k_blk, v_blk):
+        return tree_attention_mgpu.tree_attention(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo,
+                                                  layer=layer, exact=kcfg.exact, interpret=kcfg.interpret)
     return tree_attention_kernel(q, k_cache, v_cache, length, k_blk, v_blk, blk_mask, prefix_lo, layer=layer,
                                  interpret=kcfg.interpret, exact=kcfg.exact)
 

@@ -239,13 +239,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
     rows = n * group
     r_pad = pl.cdiv(rows, block_rows) * block_rows
     n_pad = dot_tile(n) if n <= block_k else pl.cdiv(n, block_k) * block_k  # longer: read block_k keys a step
-    q = q.astype(jnp.float32)
-    if k_kind and kvq.TYPES[k_kind].rotated:  # the keys stay rotated: q . x = q' . y
-        q = kvq.rotate_query(q)
-    # row = token * group + head within the group, per KV head
-    qf = (q * d ** -0.5).reshape(n, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows, d)
-    qf = jnp.pad(qf, ((0, 0), (0, r_pad - rows), (0, 0))).astype(jnp.bfloat16)
-    lo = jnp.pad(jnp.repeat(prefix_lo.astype(jnp.int32), group), (0, r_pad - rows))
+    qf, lo = query_rows(q, prefix_lo, hkv, r_pad, k_kind)
     mask = jnp.pad(jnp.repeat(blk_mask, group, axis=0), ((0, r_pad - rows), (0, n_pad - n))).astype(jnp.int32)
     # [Hkv, Np, ...]: the block's rows by KV head
     per_head = lambda x: jnp.pad(x.swapaxes(0, 1), ((0, 0), (0, n_pad - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
@@ -262,9 +256,31 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
         name="tree_attention",
     )(jnp.reshape(length, (1,)).astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qf, lo, mask,
       *map(_loaded, (k_cache, v_cache, kb, vb)))
+    return merge(o, m, l, n, hq, v_kind)
+
+
+def query_rows(q: jax.Array, prefix_lo: jax.Array, hkv: int, r_pad: int, k_kind: str | None
+               ) -> tuple[jax.Array, jax.Array]:
+    """q [N, Hq, d] as the kernels' query rows [Hkv, r_pad, d] bf16 (row = token * group + head within the group,
+    scaled by d^-0.5, rotated for a rotated key type, zero past N * group) and each row's prefix_lo [r_pad]."""
+    n, hq, d = q.shape
+    group = hq // hkv
+    q = q.astype(jnp.float32)
+    if k_kind and kvq.TYPES[k_kind].rotated:  # the keys stay rotated: q . x = q' . y
+        q = kvq.rotate_query(q)
+    qf = (q * d ** -0.5).reshape(n, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, n * group, d)
+    qf = jnp.pad(qf, ((0, 0), (0, r_pad - n * group), (0, 0))).astype(jnp.bfloat16)
+    lo = jnp.pad(jnp.repeat(prefix_lo.astype(jnp.int32), group), (0, r_pad - n * group))
+    return qf, lo
+
+
+def merge(o: jax.Array, m: jax.Array, l: jax.Array, n: int, hq: int, v_kind: str | None) -> jax.Array:
+    """The programs' softmax partials (o [Hkv, parts, r_pad, d], m and l [Hkv, parts, r_pad]) merged by
+    log-sum-exp into the output [N, Hq, d] (rotated back for a rotated value type)."""
+    hkv, _, _, d = o.shape
     top = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - top)  # [hkv, parts, r_pad]; 0 for parts that saw no key
     total = jnp.sum(w * l, axis=1)
     out = jnp.sum(w[..., None] * o, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
-    out = out[:, :rows].reshape(hkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, hq, d)
+    out = out[:, :n * (hq // hkv)].reshape(hkv, n, hq // hkv, d).transpose(1, 0, 2, 3).reshape(n, hq, d)
     return kvq.unrotate(out) if v_kind and kvq.TYPES[v_kind].rotated else out

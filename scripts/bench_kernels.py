@@ -30,7 +30,8 @@ heads x 256) in one call, for each cache type of `--kv_types` (default bf16; the
 block's own rows in the cache's type, as the model passes them); floor = the bytes it must read (K and V of the
 context as stored, the block's q/k/v) over the read-stream rate. Also the jnp reference under XLA (over the dequantized
 cache). `--sweep` also times tiles (rows, keys, warps, stages) at the default split and splits at the default
-tile.
+tile. On a GPU, a bf16 or q8_0 cache also times the Mosaic GPU kernel (tree_attention_mgpu.py, `{'mgpu': True}`)
+at its default split and at each `--attn_splits`.
 
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
 chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B
@@ -84,6 +85,7 @@ from pallas_kernels import qmatmul_mgpu as mg  # noqa: E402
 from pallas_kernels import qmatmul_mgpu_q6k as q6  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels.tree_attention import row_bytes, tree_attention  # noqa: E402
+from pallas_kernels.tree_attention_mgpu import tree_attention as tree_attention_mgpu  # noqa: E402
 from pallas_kernels.tree_conv import tree_conv  # noqa: E402
 
 CONFIG_27B = Path(__file__).resolve().parents[1] / "configs" / "qwen3.5-27b.json"
@@ -337,19 +339,27 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
             variants += [dict(block_rows=r, block_k=b, num_warps=w, num_stages=st) for r in (32, 64, 128)
                          for b in (32, 64) for w in (4, 8) for st in (2, 3)]
             variants += [dict(splits=s) for s in (8, 32, 64)]
+        if kind in ("bf16", "q8_0") and not interpret and jax.default_backend() == "gpu":  # the Mosaic GPU kernel
+            variants += [dict(mgpu=True)] + [dict(mgpu=True, splits=sp) for sp in splits]
         label = f"ctx={context:6d} N={n} {kind:5s}"
         for opts in variants:
             try:
-                run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo, exact=exact,
-                                                                    interpret=interpret, **o) for kc, vc in cs])
+                if opts.get("mgpu"):
+                    sp = opts.get("splits")
+                    run = jax.jit(lambda q, cs, sp=sp: [tree_attention_mgpu(q, kc, vc, length, kb, vb, anc, lo,
+                                                                            splits=sp, exact=exact) for kc, vc in cs])
+                else:
+                    run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo,
+                                                                        exact=exact, interpret=interpret, **o)
+                                                         for kc, vc in cs])
                 err = float(jnp.linalg.norm(run(q, caches)[0] - want) / jnp.linalg.norm(want))
                 t = median_seconds(run, q, caches)
             except Exception as e:  # a variant that does not compile is a result of the sweep, not a failure
                 print(f"  tree_attention {label} {opts}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             floor = floor_bytes / stream
-            rows.append(dict(kernel="tree_attention", context=context, n=n, layers=layers, kv_type=kind,
-                             **(opts or {"tile": "default"}),
+            rows.append(dict(kernel="tree_attention_mgpu" if opts.get("mgpu") else "tree_attention", context=context,
+                             n=n, layers=layers, kv_type=kind, **(opts or {"tile": "default"}),
                              us=t * 1e6, floor_us=floor * 1e6, floor_ratio=floor / t, rel_err=err,
                              **_kernel_times(run, q, caches)))
             print(f"  tree_attention {label} {str(opts or 'default'):45s} {t*1e6:8.1f} us "

@@ -87,8 +87,8 @@ def test_default_pair_streams_text_and_stats(jit_cache):
     assert (out["budget"], out["topk"], out["chain_seed"]) == (8, 8, False)
     # the configuration it ran, as dflash_jax/defaults.py resolves it for a CPU
     assert (out["device_class"], out["kv_type"]) == ("cpu", "f32")
-    assert out["kernels"] == {"impl": "reference", "interpret": False, "mgpu": "off", "small_rows": 64,
-                              "numerics": "exact"}
+    assert out["kernels"] == {"impl": "reference", "interpret": False, "mgpu": "off", "mgpu_attention": False,
+                              "small_rows": 64, "numerics": "exact"}
     assert "reference kernels (jnp and XLA); f32 KV cache" in proc.stderr
     from dflash_jax.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(assets.DEFAULT_TARGET)

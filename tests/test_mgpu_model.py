@@ -61,21 +61,23 @@ def test_every_matrix_on_its_kernel(targets, m):
     assert not bad, bad
 
 
-def test_prefill_and_tree_verify(targets):
-    """Logits of a 64-token prefill, then of a 23-node tree, as on the Triton kernels (the same weights)."""
-    rng = np.random.default_rng(0)
+def prefill_and_verify(params, kcfg: KernelConfig, seed: int, kv_type: str = "f32") -> tuple[jax.Array, jax.Array]:
+    """The logits of a random 64-token prefill, then of a random 23-node tree over it."""
+    rng = np.random.default_rng(seed)
     prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, 64), jnp.int32)
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, 23), jnp.int32)
     parents = jnp.asarray([-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, 23)], jnp.int32)
     prefill = jax.jit(T.prefill_chunk, static_argnums=(1,), static_argnames=("all_logits", "kcfg"))
     verify = jax.jit(T.verify, static_argnums=(1, 5, 6))
-    out = []
-    for params, kcfg in zip(targets, (MOSAIC, TRITON)):
-        logits, _, state = prefill(params, CFG, init_state(CFG, 128), prompt, jnp.int32(64), all_logits=True,
-                                   kcfg=kcfg)
-        tree_logits = verify(params, CFG, state, tokens, parents, (), kcfg)[0]
-        out.append((logits, tree_logits))
-    (prefill_m, verify_m), (prefill_t, verify_t) = out
+    logits, _, state = prefill(params, CFG, init_state(CFG, 128, kv_type), prompt, jnp.int32(64), all_logits=True,
+                               kcfg=kcfg)
+    return logits, verify(params, CFG, state, tokens, parents, (), kcfg)[0]
+
+
+def test_prefill_and_tree_verify(targets):
+    """Logits of a 64-token prefill, then of a 23-node tree, as on the Triton kernels (the same weights)."""
+    (prefill_m, verify_m), (prefill_t, verify_t) = (prefill_and_verify(params, kcfg, 0)
+                                                    for params, kcfg in zip(targets, (MOSAIC, TRITON)))
     for got, want in ((prefill_m, prefill_t), (verify_m, verify_t)):
         errs = jnp.linalg.norm(got - want, axis=1) / jnp.linalg.norm(want, axis=1)
         assert float(errs.max()) < 2e-2, np.asarray(errs)
@@ -126,3 +128,22 @@ def test_draft_tree_through_the_head(targets, kernels):
                                                                                                             seq)
     # nodes 1-15, the top-1 chain (chain_seed); later nodes are siblings of near-equal noise, in either order
     np.testing.assert_array_equal(np.asarray(got)[1:16], np.asarray(seq[65:80]))
+
+
+def test_mosaic_tree_attention_in_the_target(targets):
+    """bf16 caches with the tree attention on Mosaic GPU (mgpu_attention): a 64-token prefill's and a 23-node tree's
+    logits as with the Triton attention, and DDTree-22 decoding with an oracle drafter follows AR on it (as in
+    test_ddtree_accepts_the_ar_continuation)."""
+    attn = dataclasses.replace(MOSAIC, mgpu_attention=True)
+    for got, want in zip(*(prefill_and_verify(targets[0], kcfg, 2, "bf16") for kcfg in (attn, MOSAIC))):
+        errs = jnp.linalg.norm(got - want, axis=1) / jnp.linalg.norm(want, axis=1)
+        assert float(errs.max()) < 1e-2, np.asarray(errs)
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, 40)
+    greedy = Engine(CFG, targets[0], EngineConfig(mode="ar", max_ctx=160, kv_type="bf16"), kcfg=attn).generate(
+        ids, 48).tokens
+    sequence = np.zeros(160, np.int32)
+    sequence[:len(ids) + len(greedy)] = np.concatenate([ids, greedy])
+    tree = Engine(CFG, targets[0], EngineConfig(mode="ddtree", budget=22, max_ctx=160, kv_type="bf16"),
+                  OracleDrafter(16, CFG.vocab_size, 0.0, seed=1), {"sequence": jnp.asarray(sequence)}, kcfg=attn)
+    gen = tree.generate(ids, 48)
+    assert gen.tokens[:8] == greedy[:8] and gen.mean_accept_length > 4, (gen.tokens, greedy, gen.mean_accept_length)
