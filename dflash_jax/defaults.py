@@ -28,6 +28,7 @@ class DeviceDefaults:
     kv_type: str  # EngineConfig.kv_type
     budget: int  # EngineConfig.budget: DDTree nodes besides the root
     numerics: str  # KernelConfig.numerics
+    mgpu_attention: bool = False  # KernelConfig.mgpu_attention
 
 
 DEVICE_DEFAULTS = {
@@ -43,8 +44,10 @@ DEVICE_DEFAULTS = {
     # Hopper (compute capability 9.x): every Q4_K/Q6_K product on the Mosaic GPU kernels alone, ar too (its step
     # 9.76 ms against 10.44 ms on the Triton layout's GEMV, H200: scripts/results/bench_27b_h200_config_mgpu_nov27.txt
     # and bench_27b_h200_config_triton_nov27.txt), so that every mode multiplies the same rounded weights
+    # The tree attention over bf16 and q8_0 caches on Mosaic GPU: 128K q8_0 steps AR 14.06 / DDTree-22 31.87 ms
+    # against 18.38 / 41.97 on the Triton kernel, 4K steps equal (scripts/results/mgpu_attention_h200_nov29.txt)
     "hopper": DeviceDefaults(impl="pallas", mgpu_ar="only", mgpu_tree="only", kv_type="bf16", budget=22,
-                             numerics="exact"),
+                             numerics="exact", mgpu_attention=True),
 }
 
 
@@ -86,14 +89,14 @@ def least_free(devices: Sequence[jax.Device]) -> tuple[int | None, jax.Device]:
 
 def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | None = None,
                     small_rows: int | None = None, numerics: str | None = None, device: str | None = None,
-                    mgpu_attention: bool = False) -> KernelConfig:
+                    mgpu_attention: bool | None = None) -> KernelConfig:
     """The KernelConfig for a decoding mode on a device class (default: this machine's) from the user's choices.
 
     impl: `auto` (the device's), `reference` or `pallas` (on a CPU: in interpret mode). mgpu: None (the device's),
     True (every Q4_K/Q6_K matrix in the Mosaic GPU layout alone; Hopper only) or False. numerics: None
     (the device's), "exact" (speculative decoding emits what AR emits) or "fast" (KernelConfig.numerics).
-    mgpu_attention: tree attention over bf16 and q8_0 caches on the Mosaic GPU kernel (Hopper only; off by default
-    until a GPU measurement says otherwise)."""
+    mgpu_attention: None (the device's: on on Hopper), True (tree attention over bf16 and q8_0 caches on the Mosaic
+    GPU kernel; Hopper only) or False (the Triton kernel)."""
     device = device or device_class()
     if device not in DEVICE_CLASSES:
         raise ConfigError(f"device class {device!r} is not one of {', '.join(DEVICE_CLASSES)}")
@@ -111,8 +114,10 @@ def resolve_kernels(mode: str = "ddtree", *, impl: str = "auto", mgpu: bool | No
         layout = "only" if mgpu else "off"
     if mgpu_attention and (device != "hopper" or impl != "pallas"):
         raise ConfigError("the Mosaic GPU tree attention (--mgpu_attention) needs a Hopper GPU and the Pallas kernels")
+    if mgpu_attention is None:
+        mgpu_attention = defaults.mgpu_attention
     if impl == "reference":
-        layout = "off"
+        layout, mgpu_attention = "off", False
     return KernelConfig(impl=impl, interpret=impl == "pallas" and device == "cpu", mgpu=layout, numerics=numerics,
                         mgpu_attention=mgpu_attention,
                         **({} if small_rows is None else {"small_rows": small_rows}))

@@ -236,7 +236,7 @@ def resolve_flags(f, *, max_ctx: int | None = None, impl: str = "auto", small_ro
                           draft_rule=f.draft_rule, prefill_chunk=f.prefill_chunk, program_cache=program_folder(f),
                           compile_ahead=bool(getattr(f, "compile_ahead", COMPILE_AHEAD)))
     kcfg = resolve_kernels(f.mode, impl=impl, mgpu=f.mgpu, small_rows=small_rows, numerics=f.numerics,
-                           mgpu_attention=bool(getattr(f, "mgpu_attention", False)))
+                           mgpu_attention=getattr(f, "mgpu_attention", None))
     return ecfg, kcfg
 
 
@@ -443,9 +443,9 @@ def define_model_flags(n_gen: int, max_ctx_help: str, max_ctx: int = 0,
     flags.DEFINE_boolean("mgpu", None, "Hopper GPUs: the target's Q4_K and Q6_K products on the Mosaic GPU "
                          "kernels, their layout replacing the Triton kernels'. Default: on on a Hopper GPU, else off "
                          "(--nomgpu).", flag_values=fv)
-    flags.DEFINE_boolean("mgpu_attention", False, "Hopper GPUs: tree attention over bf16 and q8_0 KV caches on the "
-                         "Mosaic GPU kernel instead of the Triton one (being measured; off by default).",
-                         flag_values=fv)
+    flags.DEFINE_boolean("mgpu_attention", None, "Hopper GPUs: tree attention over bf16 and q8_0 KV caches on the "
+                         "Mosaic GPU kernel instead of the Triton one. Default: on on a Hopper GPU, else off "
+                         "(--nomgpu_attention).", flag_values=fv)
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy decoding. Every mode emits the same "
                        "tokens for a seed (the coupled Gumbel rule: docs/architecture.md, \"Sampling\").",
                        lower_bound=0.0, flag_values=fv)

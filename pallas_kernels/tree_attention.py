@@ -176,7 +176,7 @@ def row_bytes(x: Any) -> int:
     return x.shape[-1] * jnp.dtype(x.dtype).itemsize
 
 
-def _loaded(x: Any) -> Any:
+def loaded(x: Any) -> Any:
     """What the kernel loads of rows: a float array as it is; a block type's fields, `d` without its count of 1
     ([..., nb]), so that a tile of every field has the rows and blocks as its leading dimensions."""
     if not isinstance(x, kvq.KVBlocks):
@@ -255,7 +255,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
         interpret=interpret,
         name="tree_attention",
     )(jnp.reshape(length, (1,)).astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qf, lo, mask,
-      *map(_loaded, (k_cache, v_cache, kb, vb)))
+      *map(loaded, (k_cache, v_cache, kb, vb)))
     return merge(o, m, l, n, hq, v_kind)
 
 

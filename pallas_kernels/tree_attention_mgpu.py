@@ -1,5 +1,5 @@
 """Tree attention (pallas_kernels/tree_attention.py's, same signature and result) on Hopper in Mosaic GPU, for
-bfloat16 caches and blocks of at most 64 tokens: wgmma on tiles that TMA brings into shared memory.
+bfloat16 and q8_0 caches and blocks of at most 64 tokens: wgmma on tiles that TMA brings into shared memory.
 
 As the Triton kernel: GQA folded into rows (row = token * group + head within the group, per KV head), a grid of
 (row tiles, KV heads, splits + 1), program `split < splits` streaming one 1/splits share of the committed prefix
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax import kv_quant as kvq
-from pallas_kernels.tree_attention import NEG, default_splits, merge, query_rows
+from pallas_kernels.tree_attention import NEG, default_splits, loaded, merge, query_rows
 
 ROWS = 64  # query rows a program takes: wgmma's M, one warpgroup
 BLOCK_K = 64  # keys a pipeline step brings in; also the most block tokens the kernel takes
@@ -221,16 +221,18 @@ def supports(q: jax.Array, k_cache, v_cache, k_blk, v_blk) -> bool:
     kinds = [_kind(x) for x in (k_cache, v_cache, k_blk, v_blk)]
     slots = k_cache.shape[-3]
     return (False not in kinds and kinds[:2] == kinds[2:] and q.shape[0] <= BLOCK_K and q.shape[-1] % 64 == 0
-            and (slots % 8 == 0 or slots < BLOCK_K))
+            and (slots % 8 == 0 or slots < BLOCK_K)
+            # TMA takes rows of a multiple of 16 bytes: q8_0's scales, d / 32 float16 a row, need d % 256 == 0
+            and ("q8_0" not in kinds or q.shape[-1] % 256 == 0))
 
 
 def _fields(x: jax.Array | kvq.KVBlocks) -> tuple[jax.Array, ...]:
     """What the kernel reads of rows [..., d]: bf16 rows as they are; q8_0's codes as [..., d] int8 and scales as
-    [..., d / 32] float16 (free reshapes of the blocks' fields)."""
-    if isinstance(x, kvq.KVBlocks):
-        qs, scale = x.data["qs"], x.data["d"]
-        return qs.reshape(*qs.shape[:-2], -1), scale[..., 0]
-    return (x,)
+    [..., d / 32] float16 (the Triton kernel's fields, `loaded`, its codes' blocks flattened: free reshapes)."""
+    f = loaded(x)
+    if isinstance(f, dict):
+        return f["qs"].reshape(*f["qs"].shape[:-2], -1), f["d"]
+    return (f,)
 
 
 def _interpret_params() -> Any:
@@ -285,6 +287,8 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32)),
         grid=(r_pad // ROWS, hkv, parts), grid_names=("r", "h", "s"),
         kernel_name="tree_attention_mgpu", interpret=_interpret_params() if interpret else None,
+        # written for Lane semantics (per-thread register arrays, explicit layouts); jax 0.11's default is Warpgroup
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(jnp.reshape(length, (1,)).astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qf, lo,
       mask_bits(blk_mask, group, r_pad), *fields)
     return merge(o, m, l, n, hq, None)

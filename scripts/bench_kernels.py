@@ -324,8 +324,8 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
         caches = _attention_caches(key, layers, slots, hkv, d, kind)
         q = jax.random.normal(key[2], (n, hq, d))
         kb, vb = (jax.random.normal(k, (n, hkv, d)) for k in key[3:5])
-        if kvq.kv_type(kind).blocked:  # the block's rows in the cache's type, as models/target.py passes them
-            kb, vb = kvq.stored(kb, caches[0][0]), kvq.stored(vb, caches[0][1])
+        # the block's rows as the cache holds them (cast or quantized), as models/target.py passes them
+        kb, vb = kvq.stored(kb, caches[0][0]), kvq.stored(vb, caches[0][1])
         length = jnp.int32(context)
         stored = row_bytes(caches[0][0])
         floor_bytes = layers * (2 * context * hkv * stored + n * hq * d * 4 + 2 * n * hkv * row_bytes(kb))

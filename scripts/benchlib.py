@@ -48,9 +48,10 @@ def add_engine_flags(ap: argparse.ArgumentParser, mode: str = "ddtree") -> None:
                     help="Q4_K/Q6_K matrices in the Mosaic GPU layout (default: the device's; Hopper only)")
     # generate's absl spellings of the negations, so one set of flags serves both
     ap.add_argument("--nomgpu", dest="mgpu", action="store_false", help=argparse.SUPPRESS)
-    ap.add_argument("--mgpu_attention", action=argparse.BooleanOptionalAction, default=False,
-                    help="tree attention over bf16 and q8_0 caches on the Mosaic GPU kernel (generate's "
-                         "--mgpu_attention)")
+    ap.add_argument("--mgpu_attention", action=argparse.BooleanOptionalAction, default=None,
+                    help="tree attention over bf16 and q8_0 caches on the Mosaic GPU kernel (default: the device's; "
+                         "Hopper only)")
+    ap.add_argument("--nomgpu_attention", dest="mgpu_attention", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--nochain_seed", dest="chain_seed", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--small_rows", type=int, default=None,
                     help="quantized matrices of fewer rows go to XLA's product as float32 (default: KernelConfig's)")

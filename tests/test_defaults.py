@@ -24,14 +24,16 @@ def test_this_machine_gets_its_row_of_the_table():
 
 
 @pytest.mark.parametrize("device, want", [
-    ("cpu", ("reference", False, "off", "off", "exact")),
-    ("gpu", ("pallas", False, "off", "off", "exact")),
-    ("hopper", ("pallas", False, "only", "only", "exact")),  # every mode multiplies the same rounded weights
+    ("cpu", ("reference", False, "off", "off", "exact", False)),
+    ("gpu", ("pallas", False, "off", "off", "exact", False)),
+    # every mode multiplies the same rounded weights; tree attention on Mosaic GPU
+    ("hopper", ("pallas", False, "only", "only", "exact", True)),
 ])
 def test_each_device_class_gets_its_row_of_the_table(device, want):
-    impl, interpret, ar_layout, tree_layout, numerics = want
+    impl, interpret, ar_layout, tree_layout, numerics, mgpu_attention = want
     got = {mode: resolve_kernels(mode, device=device) for mode in MODES}
     assert {k.impl for k in got.values()} == {impl} and {k.interpret for k in got.values()} == {interpret}
+    assert {k.mgpu_attention for k in got.values()} == {mgpu_attention}
     assert {k.numerics for k in got.values()} == {numerics}
     assert [got[m].mgpu for m in MODES] == [ar_layout, tree_layout, tree_layout]
     ecfg = resolve_engine("ddtree", device=device)
@@ -48,6 +50,8 @@ def test_flags_override_the_table():
     assert resolve_kernels("ddtree", mgpu=False, device="hopper").mgpu == "off"
     assert resolve_kernels(impl="pallas", device="cpu") == KernelConfig(impl="pallas", interpret=True)
     assert resolve_kernels(impl="reference", device="hopper").mgpu == "off"
+    assert not resolve_kernels(impl="reference", device="hopper").mgpu_attention
+    assert not resolve_kernels(mgpu_attention=False, device="hopper").mgpu_attention
     assert resolve_kernels(small_rows=0, device="gpu").small_rows == 0
     ecfg = resolve_engine("chain", budget=5, topk=3, chain_seed=True, max_ctx=100, kv_type="bf16",
                           draft_rule="tempered", compile_ahead=True, device="cpu")
@@ -77,6 +81,7 @@ def test_the_prefill_chunk_is_64_tokens_unless_asked():
 @pytest.mark.parametrize("call, message", [
     (lambda: resolve_kernels(mgpu=True, device="gpu"), "needs a Hopper GPU"),
     (lambda: resolve_kernels(mgpu=True, device="cpu"), "needs a Hopper GPU"),
+    (lambda: resolve_kernels(mgpu_attention=True, device="gpu"), "needs a Hopper GPU"),
     (lambda: resolve_kernels(impl="triton"), "impl must be one of auto, reference, pallas"),
     (lambda: resolve_kernels(device="tpu"), "device class 'tpu'"),
     (lambda: resolve_engine(kv_type="fp8"), "kv_type must be one of f32, bf16, f16, q8_0, q4_0, rq3_0"),

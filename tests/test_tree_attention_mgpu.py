@@ -49,7 +49,8 @@ def test_mask_bits_hold_each_rows_keys():
 
 
 def test_refuses_what_it_cannot_take():
-    """65 block tokens, a cache of 100 slots, a float32 cache, q8_0 keys with bf16 block rows, q4_0."""
+    """65 block tokens, a cache of 100 slots, a float32 cache, q8_0 keys with bf16 block rows, q4_0, and q8_0 at a
+    head_dim of 128 (its scales' rows, 8 bytes, are not rows TMA takes: the drafter's heads)."""
     q, kc, vc, kb, vb = inputs(0, 65, 4, 2, 64, 128)
     with pytest.raises(ValueError, match="at most 64 tokens"):
         tam.tree_attention(q, kc, vc, jnp.int32(10), kb, vb, jnp.ones((65, 65), bool), jnp.zeros(65, jnp.int32))
@@ -61,17 +62,27 @@ def test_refuses_what_it_cannot_take():
             tam.tree_attention(q, bad[0], bad[1], jnp.int32(10), bad[2], bad[3], jnp.ones((4, 4), bool),
                                jnp.zeros(4, jnp.int32))
         assert not tam.supports(q, *bad)
-    assert tam.supports(q, kc, vc, kb, vb) and tam.supports(q, q8, vc, kvq.quantize(kb.astype(jnp.float32), "q8_0"), vb)
+    assert tam.supports(q, kc, vc, kb, vb)
+    for d, ok in ((128, False), (256, True)):
+        q, kc, vc, kb, vb = inputs(0, 4, 4, 2, d, 128, types=("q8_0", "bf16"))
+        assert tam.supports(q, kc, vc, kb, vb) == ok
+    with pytest.raises(ValueError, match="bf16 or q8_0 caches"):
+        tam.tree_attention(*inputs(0, 4, 4, 2, 128, 128, types=("q8_0", "q8_0"))[:3], jnp.int32(10),
+                           *inputs(0, 4, 4, 2, 128, 128, types=("q8_0", "q8_0"))[3:], jnp.ones((4, 4), bool),
+                           jnp.zeros(4, jnp.int32))
 
 
-@pytest.mark.parametrize("n,slots,types", [(1, 4160, ("bf16", "bf16")), (64, 136, ("bf16", "bf16")),
-                                           (23, 40, ("bf16", "bf16")), (23, 4160, ("q8_0", "q8_0")),
-                                           (1, 136, ("q8_0", "bf16"))])
-def test_lowers_for_cuda_on_a_cpu(n, slots, types):
+TARGET_HEADS, DRAFT_HEADS = (24, 4, 256), (32, 8, 128)  # the 27B's and its drafter's (query, KV, head_dim)
+
+
+@pytest.mark.parametrize("n,slots,types,heads", [
+    (1, 4160, ("bf16", "bf16"), TARGET_HEADS), (64, 136, ("bf16", "bf16"), TARGET_HEADS),
+    (23, 40, ("bf16", "bf16"), TARGET_HEADS), (23, 4160, ("q8_0", "q8_0"), TARGET_HEADS),
+    (1, 136, ("q8_0", "bf16"), TARGET_HEADS), (16, 2064, ("bf16", "bf16"), DRAFT_HEADS)])
+def test_lowers_for_cuda_on_a_cpu(n, slots, types, heads):
     """Tracing and Mosaic GPU's lowering (layouts, TMA shapes, barriers, the pipeline's dynamic trip count, q8_0's
-    decoding into a bf16 tile) run without a GPU at the 27B's heads (24 query, 4 KV, head_dim 256) over a stack of
-    layers."""
-    q, kc, vc, kb, vb = inputs(0, n, 24, 4, 256, slots, layers=2, types=types)
+    decoding into a bf16 tile) run without a GPU at the 27B's heads and its drafter's over a stack of layers."""
+    q, kc, vc, kb, vb = inputs(0, n, *heads, slots, layers=2, types=types)
     args = (q, kc, vc, jnp.int32(slots // 2), kb, vb, jnp.tril(jnp.ones((n, n), bool)), jnp.zeros(n, jnp.int32))
     text = jax.jit(lambda *a: tam.tree_attention(*a, layer=jnp.int32(1))).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -95,8 +106,8 @@ INTERPRET_CASES = ([case + (TYPES[0],) for case in CPU_CASES]
 def test_kernel_matches_reference_in_interpret_mode(n, hq, hkv, slots, length, splits, lo, kind, types):
     """The kernel in GPU interpret mode (its copies, barriers, slot reuse, q8_0 decoding, masks, softmax and merge;
     the products there in jnp) over layer 1 of a two-layer stack, against the reference over the caches as stored
-    (dequantized). Unwritten partials would be NaN."""
-    q, kc, vc, kb, vb = inputs(n * slots, n, hq, hkv, 64, slots, layers=2, types=types)
+    (dequantized). Unwritten partials would be NaN. head_dim 64, or 256 with q8_0 (the least it takes)."""
+    q, kc, vc, kb, vb = inputs(n * slots, n, hq, hkv, 256 if "q8_0" in types else 64, slots, layers=2, types=types)
     rng = np.random.default_rng(n + slots)
     blk = jnp.asarray(random_ancestors(rng, n) if kind == "tree" else np.tril(np.ones((n, n), bool)))
     prefix_lo = jnp.full((n,), lo, jnp.int32)
