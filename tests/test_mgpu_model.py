@@ -25,7 +25,8 @@ pytestmark = pytest.mark.gpu
 CFG = dataclasses.replace(load_target_config(synthetic.TARGET_27B), num_layers=4,
                           layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,))
 FORMATS = ("Q4_K", "Q6_K")
-MOSAIC = KernelConfig(impl="pallas", mgpu="only")  # as `generate` resolves a tree on Hopper
+# the products as `generate` resolves a tree on Hopper, the attention on Triton (Hopper's default is Mosaic: `attn`)
+MOSAIC = KernelConfig(impl="pallas", mgpu="only")
 TRITON = KernelConfig(impl="pallas")
 
 
