@@ -4,12 +4,14 @@ bfloat16 and q8_0 caches and blocks of at most 64 tokens: wgmma on tiles that TM
 As the Triton kernel: GQA folded into rows (row = token * group + head within the group, per KV head), a grid of
 (row tiles, KV heads, splits + 1), program `split < splits` streaming one 1/splits share of the committed prefix
 and the last one the block's own keys under its mask, each writing a softmax partial (max, sum, unnormalised
-output) that `tree_attention.merge` adds by log-sum-exp. A program is one warpgroup on 64 rows (wgmma's M): per
-step TMA brings 64 keys and their values ([64, 256] bf16 each, `STAGES` steps in flight, the copies issued as the
-slots free), the scores are one wgmma of q [64, d] by the keys^T from shared memory, the softmax runs on them in
-registers, and the values' product is a wgmma with p as its A operand from registers. With `exact`, p enters as
-two bf16 terms (hi + lo) as in the Triton kernel, so that a position's output does not hang on where the split
-boundaries or the running max fell. The block's mask arrives as two 32-bit words of ancestor bits per row.
+output) that `tree_attention.merge` adds by log-sum-exp. A program is `Tiles.warpgroups` warpgroups, each on 64
+rows (wgmma's M), sharing the key and value tiles: per step TMA brings `block_k` keys and their values ([64, 256]
+bf16 each by default, `stages` steps in flight, the copies issued by the first warpgroup as the slots free), the
+scores are one wgmma of q [64, d] by the keys^T from shared memory, the softmax runs on them in registers, and the
+values' product is a wgmma with p as its A operand from registers. A q8_0 field is decoded into one bf16 tile (the
+keys', then the values'), each warpgroup its share of its columns, behind a barrier all of them pass. With `exact`,
+p enters as two bf16 terms (hi + lo) as in the Triton kernel, so that a position's output does not hang on where
+the split boundaries or the running max fell. The block's mask arrives as two 32-bit words of ancestor bits per row.
 
 On a CPU the tests check that it lowers for CUDA and run it in Pallas' GPU interpret mode (`interpret=True`: its
 copies, barriers, masks, softmax and merge, the products there in jnp); its numerics with wgmma are checked on a GPU
@@ -18,6 +20,7 @@ copies, barriers, masks, softmax and merge, the products there in jnp); its nume
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -29,161 +32,250 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dflash_jax import kv_quant as kvq
 from pallas_kernels.tree_attention import NEG, default_splits, loaded, merge, query_rows
 
-ROWS = 64  # query rows a program takes: wgmma's M, one warpgroup
-BLOCK_K = 64  # keys a pipeline step brings in; also the most block tokens the kernel takes
-STAGES = 2  # steps in flight: q (32 KiB) and two steps of keys and values (128 KiB) in shared memory
+ROWS = 64  # query rows a warpgroup takes: wgmma's M
+BLOCK = 64  # the most block tokens the kernel takes (the mask's two 32-bit words a row)
+SMEM_BYTES = 227 * 1024  # shared memory a Hopper block may take
 TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 tiles of 64-column swizzle units
 # q8_0's codes, 64 columns (two blocks, 64 bytes) a swizzle unit: a [64, 64] slice loads in wgmma's layout without
 # bank conflicts
 CODES = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+# the values of a 32-key step: wgmma's K (the keys) spans one swizzle unit, 32 bf16 columns
+TILE_32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
 
 
-def _kernel(splits: int, slots: int, exact: bool, interpret: bool, kinds: tuple[str | None, str | None], *refs):
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """How a program is laid out: `warpgroups` row tiles of 64 (one warpgroup each) sharing every key and value tile
+    (and its q8_0 decoding), `block_k` keys a pipeline step, `stages` steps in flight."""
+
+    warpgroups: int = 1
+    block_k: int = 64
+    stages: int = 2
+
+    def check(self, d: int, kinds: tuple[str | None, str | None]) -> None:
+        """Raises ValueError for tiles this kernel cannot run with these heads and cache types."""
+        if not 1 <= self.warpgroups <= 3 or self.block_k not in (32, 64) or not 1 <= self.stages <= 3:
+            raise ValueError(f"tree attention tiles take 1-3 warpgroups, block_k 32 or 64 and 1-3 stages, got {self}")
+        if "q8_0" in kinds and self.block_k != 64:
+            raise ValueError(f"q8_0 caches are decoded in [64, 64] tiles (wgmma's layout): block_k must be 64, "
+                             f"got {self}")
+        if self.smem_bytes(d, kinds) > SMEM_BYTES:
+            raise ValueError(f"tree attention tiles {self} at head_dim {d} over {kinds} take "
+                             f"{self.smem_bytes(d, kinds) // 1024} KiB of shared memory, more than "
+                             f"{SMEM_BYTES // 1024}")
+
+    def smem_bytes(self, d: int, kinds: tuple[str | None, str | None]) -> int:
+        """Shared memory of the pipeline's scope (q, masks, key and value stages, the decoded tile), with 1 KiB a
+        buffer for alignment."""
+        field = lambda kind: self.block_k * (d + d // 32 * 2 if kind == "q8_0" else 2 * d)  # noqa: E731
+        decoded = self.block_k * d * 2 if "q8_0" in kinds else 0
+        w = self.warpgroups
+        return w * ROWS * (2 * d + 12) + self.stages * sum(field(k) for k in kinds) + decoded + 8 * 1024
+
+
+def default_tiles(kinds: tuple[str | None, str | None], rows: int, splits: int) -> Tiles:
+    """The layout for these cache types, query rows (tokens x heads a KV head) and prefix splits, as measured on
+    an H200 (scripts/results/mgpu_attention_tiles_h200_nov29.txt): over q8_0 with more than 64 rows and 16 splits or
+    more, two warpgroups share each decoded tile (23 tree tokens at 128K: -18 %; with 5 splits at 4K the fewer
+    programs lose, and with 64 rows or fewer the second warpgroup would only multiply padding); otherwise one. A
+    row's arithmetic is the same in either, so the choice leaves every output as it was."""
+    if "q8_0" in kinds and rows > ROWS and splits >= 16:
+        return Tiles(2, 64, 2)
+    return Tiles()
+
+
+def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, tiles: Tiles,
+            kinds: tuple[str | None, str | None], *refs):
     # refs: len_ref, layer_ref [1] int32; q_ref [Hkv, R, d] bf16; lo_ref [R] int32; bits_ref [2, R] int32 (the
     # block's mask, key j at bit j % 32 of word j // 32); the keys' then the values' cache fields, [layers, S, Hkv,
     # d] bf16 or, for q8_0, qs [layers, S, Hkv, d] int8 and d [layers, S, Hkv, d / 32] float16; the block's keys' then
     # values' fields, [Hkv, 64, ...] alike; o_ref [Hkv, splits + 1, R, d], m_ref and l_ref [Hkv, splits + 1, R]
     len_ref, layer_ref, q_ref, lo_ref, bits_ref, *fields, o_ref, m_ref, l_ref = refs
+    wgs, bk, stages = tiles.warpgroups, tiles.block_k, tiles.stages
     widths = [2 if kind == "q8_0" else 1 for kind in kinds]
     kc_f, vc_f = fields[:widths[0]], fields[widths[0]:sum(widths)]
     kb_f, vb_f = fields[sum(widths):sum(widths) + widths[0]], fields[sum(widths) + widths[0]:]
     r_tile, h, split = jax.lax.axis_index("r"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
-    rows = pl.ds(r_tile * ROWS, ROWS)
+    wg = jax.lax.axis_index("wg") if wgs > 1 else 0
+    rows = pl.ds((r_tile * wgs + wg) * ROWS, ROWS)
     d = q_ref.shape[-1]
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows, as wgmma's accumulator holds them
     # GPU interpret mode (jax 0.10.2) has no plgpu.load nor layout casts: it reads the ref plainly, keeps the layout
     load_row = (lambda ref: ref[...]) if interpret else (lambda ref: plgpu.load(ref, (), layout=row))  # noqa: E731
     cast = (lambda x, _: x) if interpret else plgpu.layout_cast  # noqa: E731
-    col = cast(jax.lax.broadcasted_iota(jnp.int32, (BLOCK_K, 64), 1), plgpu.Layout.WGMMA)
+    col = cast(jax.lax.broadcasted_iota(jnp.int32, (64, 64), 1), plgpu.Layout.WGMMA)
+    key = cast(jax.lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1), plgpu.Layout.WGMMA)
+    # the warpgroup that issues the copies of shared tiles
+    leader = (lambda cond: pl.when(cond & (wg == 0))) if wgs > 1 else pl.when  # noqa: E731
 
-    def tile(stage: tuple, out):
-        """The bf16 [64, d] tile wgmma reads from a pipeline stage's fields: a bf16 tile as it came; q8_0's codes
-        times their blocks' scales, rounded to bf16 (as the Triton kernel decodes them), written into `out` 64
-        columns (two blocks) at a time."""
-        if len(stage) == 1:
-            return stage[0]
-        codes, scales = stage
-        for c in range(d // 64):
-            part = codes.at[:, pl.ds(c * 64, 64)]
-            q8 = part[...] if interpret else plgpu.load(part, (), layout=plgpu.Layout.WGMMA)
-            per_row = [jax.lax.broadcast_in_dim(load_row(scales.at[:, 2 * c + j]).astype(jnp.float32),
-                                                (BLOCK_K, 64), [0]) for j in range(2)]
-            out.at[:, pl.ds(c * 64, 64)][...] = (q8.astype(jnp.float32)
-                                                 * jnp.where(col < 32, per_row[0], per_row[1])).astype(jnp.bfloat16)
-        plgpu.commit_smem()  # the generic proxy's stores, before wgmma reads the tile
-        return out
+    def attend(q_smem, k_st, v_st, dec, lo_smem, bits_smem, q_bar, k_bar, v_bar, sync_bar):
+        # k_st, v_st: each field's pipeline stages [stages, bk, ...]; dec: the bf16 tile q8_0 fields decode into
+        # (keys', then values'), shared by the warpgroups
+        q_smem, lo_smem, bits_smem = (x.at[wg] for x in (q_smem, lo_smem, bits_smem))
+        at = lambda stage, slot: tuple(f.at[slot] for f in stage)  # noqa: E731
 
-    def update(carry, q_smem, k_smem, v_smem, visible):
-        m, l, acc = carry
+        def sync():  # every warpgroup reached this point (their shared-memory stores fenced before it)
+            if wgs > 1:
+                plgpu.barrier_arrive(sync_bar)
+                plgpu.barrier_wait(sync_bar)
 
-        def scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
-            return acc_ref[...]
+        def decode(stage):
+            """q8_0's codes times their blocks' scales, rounded to bf16 (as the Triton kernel decodes them), into
+            `dec`, 64 columns (two blocks) at a time, each warpgroup its share of the columns."""
+            codes, scales = stage
+            for c in range(d // 64):
+                def chunk(c=c):
+                    part = codes.at[:, pl.ds(c * 64, 64)]
+                    q8 = part[...] if interpret else plgpu.load(part, (), layout=plgpu.Layout.WGMMA)
+                    per_row = [jax.lax.broadcast_in_dim(load_row(scales.at[:, 2 * c + j]).astype(jnp.float32),
+                                                        (64, 64), [0]) for j in range(2)]
+                    dec.at[:, pl.ds(c * 64, 64)][...] = (
+                        q8.astype(jnp.float32) * jnp.where(col < 32, per_row[0], per_row[1])).astype(jnp.bfloat16)
+                if wgs > 1:
+                    pl.when(wg == c % wgs)(chunk)
+                else:
+                    chunk()
+            plgpu.commit_smem()  # the generic proxy's stores, before wgmma reads the tile
+            sync()
+            return dec
 
-        if interpret:  # GPU interpret mode (jax 0.10.2) takes no transposed wgmma operand: the product in jnp
-            s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
-        else:
-            s = pl.run_scoped(scores, plgpu.ACC((ROWS, BLOCK_K), jnp.float32))
-        s = jnp.where(visible, s, NEG)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(visible, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p_hi = p.astype(jnp.bfloat16)
-        terms = (p_hi, (p - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)) if exact else (p_hi,)
+        def keys(slot):
+            return k_st[0].at[slot] if kinds[0] is None else decode(at(k_st, slot))
 
-        def values(acc_ref):
-            for t in terms:
-                plgpu.wgmma(acc_ref, t, v_smem)
+        def values(slot):
+            if kinds[1] is None:
+                return v_st[0].at[slot]
+            if kinds[0] is not None:
+                sync()  # every warpgroup's scores have read the keys from `dec`
+            return decode(at(v_st, slot))
 
-        if interpret:  # nor run_state nor an A operand in registers: the products in jnp, then added
-            return m_new, l, acc + sum(jnp.dot(t, v_smem[...], preferred_element_type=jnp.float32) for t in terms)
-        # the running output is the accumulator the products add into (a second [64, d] one would not fit the
-        # registers beside it)
-        return m_new, l, pl.run_state(values)(plgpu.ACC.init(acc))
+        def update(carry, slot, visible):
+            m, l, acc = carry
+            k_smem = keys(slot)
 
-    def attend(q_smem, k_st, v_st, k_dec, v_dec, lo_smem, bits_smem, q_bar, k_bar, v_bar):
-        # k_st, v_st: each field's pipeline stages [STAGES, 64, ...]; k_dec, v_dec: the decoded bf16 tile of a block
-        # type (None for bf16)
-        at = lambda stages, slot: tuple(f.at[slot] for f in stages)  # noqa: E731
-        plgpu.copy_gmem_to_smem(q_ref.at[h, rows], q_smem, q_bar.at[0])
-        plgpu.copy_gmem_to_smem(lo_ref.at[rows], lo_smem, q_bar.at[1])
-        plgpu.copy_gmem_to_smem(bits_ref.at[:, rows], bits_smem, q_bar.at[2])
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+                return acc_ref[...]
+
+            if interpret:  # GPU interpret mode (jax 0.10.2) takes no transposed wgmma operand: the product in jnp
+                s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+            else:
+                s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))
+            s = jnp.where(visible, s, NEG)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.where(visible, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p_hi = p.astype(jnp.bfloat16)
+            terms = (p_hi, (p - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)) if exact else (p_hi,)
+            v_smem = values(slot)
+
+            def products(acc_ref):
+                for t in terms:
+                    plgpu.wgmma(acc_ref, t, v_smem)
+
+            if interpret:  # nor run_state nor an A operand in registers: the products in jnp, then added
+                return m_new, l, acc + sum(jnp.dot(t, v_smem[...], preferred_element_type=jnp.float32)
+                                           for t in terms)
+            # the running output is the accumulator the products add into (a second [64, d] one would not fit the
+            # registers beside it)
+            return m_new, l, pl.run_state(products)(plgpu.ACC.init(acc))
+
+        def pipeline(steps, fetch, visible, carry):
+            """`steps` key tiles through the stages: the leader issues `fetch(i, slot)` (its copies arrive on
+            k_bar[slot] and v_bar[slot]), every warpgroup folds tile i into its rows' softmax, and the slot takes
+            tile i + stages once all are done with it."""
+            @leader(True)
+            def _():
+                for i in range(stages):
+                    pl.when(i < steps)(functools.partial(fetch, i, i))
+
+            def body(i, carry):
+                slot = jax.lax.rem(i, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                carry = update(carry, slot, visible(i))
+                sync()  # the products are done everywhere (their results are in registers): the slot is free
+                leader(i + stages < steps)(lambda: fetch(i + stages, slot))
+                return carry
+
+            return jax.lax.fori_loop(0, steps, body, carry)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[h, rows], q_smem, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(lo_ref.at[rows], lo_smem, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(bits_ref.at[:, rows], bits_smem, q_bar.at[wg])
         init = (cast(jnp.full((ROWS,), NEG, jnp.float32), row), cast(jnp.zeros((ROWS,), jnp.float32), row),
                 cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA))
-        key = cast(jax.lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 1), plgpu.Layout.WGMMA)
-        for i in range(3):
-            plgpu.barrier_wait(q_bar.at[i])
+        plgpu.barrier_wait(q_bar.at[wg])
 
         def prefix():
             length, layer = len_ref[0], layer_ref[0]
-            chunk = pl.cdiv(pl.cdiv(length, splits), BLOCK_K) * BLOCK_K
+            chunk = pl.cdiv(pl.cdiv(length, splits), bk) * bk
             start = split * chunk
             end = jnp.minimum(start + chunk, length)
-            steps = pl.cdiv(jnp.maximum(end - start, 0), BLOCK_K)
-            lo = jax.lax.broadcast_in_dim(load_row(lo_smem), (ROWS, BLOCK_K), [0])
-            # the last block of a cache whose size is not a multiple of BLOCK_K is read ending at the cache's end
-            # (no read past it); the slots before the wanted ones that it re-reads are masked off
-            first = lambda i: jnp.minimum(start + i * BLOCK_K, slots - BLOCK_K)  # noqa: E731
+            steps = pl.cdiv(jnp.maximum(end - start, 0), bk)
+            lo = jax.lax.broadcast_in_dim(load_row(lo_smem), (ROWS, bk), [0])
+            # the last tile of a cache whose size is not a multiple of bk is read ending at the cache's end (no read
+            # past it); the slots before the wanted ones that it re-reads are masked off
+            first = lambda i: jnp.minimum(start + i * bk, slots - bk)  # noqa: E731
 
             def fetch(i, slot):
-                keys = (layer, pl.ds(first(i), BLOCK_K), h)
+                index = (layer, pl.ds(first(i), bk), h)
                 for src, dst, bar in ((kc_f, k_st, k_bar), (vc_f, v_st, v_bar)):
-                    for f, stages in zip(src, dst):
-                        plgpu.copy_gmem_to_smem(f.at[keys], stages.at[slot], bar.at[slot])
+                    for f, stage in zip(src, dst):
+                        plgpu.copy_gmem_to_smem(f.at[index], stage.at[slot], bar.at[slot])
 
-            for i in range(STAGES):
-                pl.when(i < steps)(functools.partial(fetch, i, i))
-
-            def body(i, carry):
-                slot = jax.lax.rem(i, STAGES)
-                want = start + i * BLOCK_K
+            def visible(i):
                 slot_id = first(i) + key
-                visible = (slot_id >= want) & (slot_id < end) & (slot_id >= lo)
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[slot])
-                carry = update(carry, q_smem, tile(at(k_st, slot), k_dec), tile(at(v_st, slot), v_dec), visible)
-                # both products are done (their results are in registers): the slot takes step i + STAGES
-                pl.when(i + STAGES < steps)(lambda: fetch(i + STAGES, slot))
-                return carry
+                return (slot_id >= start + i * bk) & (slot_id < end) & (slot_id >= lo)
 
-            return jax.lax.fori_loop(0, steps, body, init)
+            return pipeline(steps, fetch, visible, init)
 
         def block():
-            for src, dst, bar in ((kb_f, k_st, k_bar), (vb_f, v_st, v_bar)):
-                for f, stages in zip(src, dst):
-                    plgpu.copy_gmem_to_smem(f.at[h], stages.at[0], bar.at[0])
-            words = [jax.lax.broadcast_in_dim(load_row(bits_smem.at[w]), (ROWS, BLOCK_K), [0])
-                     for w in range(2)]
-            word = jnp.where(key < 32, words[0], words[1])
-            visible = jax.lax.shift_right_logical(word, key & 31) & 1 != 0
-            plgpu.barrier_wait(k_bar.at[0])
-            plgpu.barrier_wait(v_bar.at[0])
-            return update(init, q_smem, tile(at(k_st, 0), k_dec), tile(at(v_st, 0), v_dec), visible)
+            def fetch(i, slot):
+                for src, dst, bar in ((kb_f, k_st, k_bar), (vb_f, v_st, v_bar)):
+                    for f, stage in zip(src, dst):
+                        plgpu.copy_gmem_to_smem(f.at[h, pl.ds(i * bk, bk)], stage.at[slot], bar.at[slot])
 
-        return jax.lax.cond(split < splits, prefix, block)
+            def visible(i):
+                if bk == 64:
+                    words = [jax.lax.broadcast_in_dim(load_row(bits_smem.at[w]), (ROWS, bk), [0]) for w in range(2)]
+                    word = jnp.where(key < 32, words[0], words[1])
+                else:  # tile i holds keys 32i..32i+31: word i
+                    word = jax.lax.broadcast_in_dim(load_row(bits_smem.at[i]), (ROWS, bk), [0])
+                return jax.lax.shift_right_logical(word, key & 31) & 1 != 0
 
-    def stages(kind):  # a pipeline stage's fields, and the decoded tile of a block type
+            return pipeline(pieces, fetch, visible, init)
+
+        out = jax.lax.cond(split < splits, prefix, block)
+        sync()  # no warpgroup is still reading the stages when the output's scope takes their shared memory
+        return out
+
+    def stage_fields(kind, values):  # a pipeline stage's fields
         if kind is None:
-            return (plgpu.SMEM((STAGES, BLOCK_K, d), jnp.bfloat16, transforms=TILE),), None
-        return ((plgpu.SMEM((STAGES, BLOCK_K, d), jnp.int8, transforms=CODES),
-                 plgpu.SMEM((STAGES, BLOCK_K, d // 32), jnp.float16)),
-                plgpu.SMEM((BLOCK_K, d), jnp.bfloat16, transforms=TILE))
+            return (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=TILE_32 if values and bk == 32 else TILE),)
+        return (plgpu.SMEM((stages, bk, d), jnp.int8, transforms=CODES),
+                plgpu.SMEM((stages, bk, d // 32), jnp.float16))
 
-    (k_st, k_dec), (v_st, v_dec) = stages(kinds[0]), stages(kinds[1])
+    collective = dict(collective_axes="wg") if wgs > 1 else {}
     m, l, acc = pl.run_scoped(
         attend,
-        plgpu.SMEM((ROWS, d), jnp.bfloat16, transforms=TILE), k_st, v_st, k_dec, v_dec,
-        plgpu.SMEM((ROWS,), jnp.int32),
-        plgpu.SMEM((2, ROWS), jnp.int32),
-        plgpu.Barrier(num_barriers=3),
+        plgpu.SMEM((wgs, ROWS, d), jnp.bfloat16, transforms=TILE),
+        stage_fields(kinds[0], False), stage_fields(kinds[1], True),
+        plgpu.SMEM((bk, d), jnp.bfloat16, transforms=TILE) if "q8_0" in kinds else None,
+        plgpu.SMEM((wgs, ROWS), jnp.int32),
+        plgpu.SMEM((wgs, 2, ROWS), jnp.int32),
+        plgpu.Barrier(num_arrivals=3, num_barriers=wgs),  # a warpgroup's q, lo and mask words
         # each field's copy arrives on its stage's barrier
-        plgpu.Barrier(num_arrivals=widths[0], num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=widths[1], num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=widths[0], num_barriers=stages),
+        plgpu.Barrier(num_arrivals=widths[1], num_barriers=stages),
+        plgpu.Barrier(num_arrivals=wgs),
+        **collective,
     )
 
     def store(o_smem, m_smem, l_smem):
+        o_smem, m_smem, l_smem = (x.at[wg] for x in (o_smem, m_smem, l_smem))
         o_smem[...] = acc
         m_smem[...] = m
         l_smem[...] = l
@@ -193,15 +285,15 @@ def _kernel(splits: int, slots: int, exact: bool, interpret: bool, kinds: tuple[
         plgpu.copy_smem_to_gmem(l_smem, l_ref.at[h, split, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store, plgpu.SMEM((ROWS, d), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
-                  plgpu.SMEM((ROWS,), jnp.float32))
+    pl.run_scoped(store, plgpu.SMEM((wgs, ROWS, d), jnp.float32), plgpu.SMEM((wgs, ROWS), jnp.float32),
+                  plgpu.SMEM((wgs, ROWS), jnp.float32), **collective)
 
 
 def mask_bits(blk_mask: jax.Array, group: int, r_pad: int) -> jax.Array:
     """The block's mask [N, N] (N <= 64) as the kernel reads it: per query row (token * group + head, zero past the
     tokens) two int32 words of key bits, [2, r_pad]."""
     n = blk_mask.shape[0]
-    m = jnp.pad(jnp.repeat(blk_mask.astype(jnp.uint32), group, axis=0), ((0, r_pad - n * group), (0, BLOCK_K - n)))
+    m = jnp.pad(jnp.repeat(blk_mask.astype(jnp.uint32), group, axis=0), ((0, r_pad - n * group), (0, BLOCK - n)))
     shifted = m.reshape(r_pad, 2, 32) << jnp.arange(32, dtype=jnp.uint32)
     return jax.lax.bitcast_convert_type(jnp.sum(shifted, axis=-1, dtype=jnp.uint32), jnp.int32).T
 
@@ -217,11 +309,11 @@ def _kind(x: Any) -> str | None | bool:
 def supports(q: jax.Array, k_cache, v_cache, k_blk, v_blk) -> bool:
     """Whether this kernel takes these operands: keys and values each in bf16 or q8_0 (kv_quant.KVBlocks), the
     block's rows in their cache's type, caches of a multiple of 8 slots (TMA's tiling of the slot dimension; fewer
-    than BLOCK_K are padded), at most BLOCK_K block tokens, a head_dim that is a multiple of 64."""
+    than BLOCK are padded), at most BLOCK block tokens, a head_dim that is a multiple of 64."""
     kinds = [_kind(x) for x in (k_cache, v_cache, k_blk, v_blk)]
     slots = k_cache.shape[-3]
-    return (False not in kinds and kinds[:2] == kinds[2:] and q.shape[0] <= BLOCK_K and q.shape[-1] % 64 == 0
-            and (slots % 8 == 0 or slots < BLOCK_K)
+    return (False not in kinds and kinds[:2] == kinds[2:] and q.shape[0] <= BLOCK and q.shape[-1] % 64 == 0
+            and (slots % 8 == 0 or slots < BLOCK)
             # TMA takes rows of a multiple of 16 bytes: q8_0's scales, d / 32 float16 a row, need d % 256 == 0
             and ("q8_0" not in kinds or q.shape[-1] % 256 == 0))
 
@@ -242,19 +334,20 @@ def _interpret_params() -> Any:
     return InterpretGPUParams()
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "exact", "interpret"))
+@functools.partial(jax.jit, static_argnames=("splits", "exact", "interpret", "tiles"))
 def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax.Array | kvq.KVBlocks,
                    length: jax.Array, k_blk: jax.Array | kvq.KVBlocks, v_blk: jax.Array | kvq.KVBlocks,
                    blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
-                   splits: int | None = None, exact: bool = True, interpret: bool = False) -> jax.Array:
+                   splits: int | None = None, exact: bool = True, interpret: bool = False,
+                   tiles: Tiles | None = None) -> jax.Array:
     """pallas_kernels.tree_attention.tree_attention on caches [(layers,) S, Hkv, d] of bf16 or q8_0 rows (keys and
     values each) and a block of at most 64 tokens (k/v_blk [N, Hkv, d] in their caches' types): float32 [N, Hq, d].
     Every query must see at least one key. `interpret` runs it in Pallas' GPU interpret mode (a CPU test of its
     copies, barriers, decoding, masks and softmax: the products there are jnp's, as that mode (jax 0.10.2) takes no
-    transposed or register operand of wgmma)."""
+    transposed or register operand of wgmma). `tiles`: the program's layout (default: `default_tiles`)."""
     if not supports(q, k_cache, v_cache, k_blk, v_blk):
         raise ValueError(f"the Mosaic GPU tree attention takes bf16 or q8_0 caches (slots a multiple of 8), the "
-                         f"block's rows in their caches' types, and blocks of at most {BLOCK_K} tokens with head_dim "
+                         f"block's rows in their caches' types, and blocks of at most {BLOCK} tokens with head_dim "
                          f"a multiple of 64, got q {q.shape}, caches {_describe(k_cache)} {_describe(v_cache)}, "
                          f"block {_describe(k_blk)} {_describe(v_blk)}")
     if layer is None:
@@ -267,25 +360,30 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
     _, s, hkv, _ = k_cache.shape
     if hq % hkv or k_blk.shape != (n, hkv, d) or v_blk.shape != k_blk.shape:
         raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape}, block {k_blk.shape} {v_blk.shape}")
+    kinds = (_kind(k_cache), _kind(v_cache))
     splits = splits or default_splits(s)
-    if s < BLOCK_K:  # a cache smaller than one key block (tests, tiny contexts): pad it, it is small
+    tiles = tiles or default_tiles(kinds, n * (hq // hkv), splits)
+    tiles.check(d, kinds)
+    if s < BLOCK:  # a cache smaller than one key block (tests, tiny contexts): pad it, it is small
         pad = lambda x: jnp.pad(jax.lax.dynamic_index_in_dim(x, layer, keepdims=True),  # noqa: E731
-                                ((0, 0), (0, BLOCK_K - s)) + ((0, 0),) * (x.ndim - 2))
+                                ((0, 0), (0, BLOCK - s)) + ((0, 0),) * (x.ndim - 2))
         k_cache, v_cache = (jax.tree.map(pad, c) for c in (k_cache, v_cache))
-        layer, s = 0, BLOCK_K
+        layer, s = 0, BLOCK
     group = hq // hkv
-    r_pad = pl.cdiv(n * group, ROWS) * ROWS
+    program_rows = ROWS * tiles.warpgroups
+    r_pad = pl.cdiv(n * group, program_rows) * program_rows
     qf, lo = query_rows(q, prefix_lo, hkv, r_pad, None)
-    per_head = lambda x: jnp.pad(x.swapaxes(0, 1), ((0, 0), (0, BLOCK_K - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+    per_head = lambda x: jnp.pad(x.swapaxes(0, 1), ((0, 0), (0, BLOCK - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     parts = splits + 1
     fields = [f for x in (k_cache, v_cache) for f in _fields(x)]
     fields += [per_head(f) for x in (k_blk, v_blk) for f in _fields(x)]
     o, m, l = plgpu.kernel(
-        functools.partial(_kernel, splits, s, exact, interpret, (_kind(k_cache), _kind(v_cache))),
+        functools.partial(_kernel, splits, s, pl.cdiv(n, tiles.block_k), exact, interpret, tiles, kinds),
         out_type=(jax.ShapeDtypeStruct((hkv, parts, r_pad, d), jnp.float32),
                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32),
                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32)),
-        grid=(r_pad // ROWS, hkv, parts), grid_names=("r", "h", "s"),
+        grid=(r_pad // program_rows, hkv, parts), grid_names=("r", "h", "s"),
+        **(dict(num_threads=tiles.warpgroups, thread_name="wg") if tiles.warpgroups > 1 else {}),
         kernel_name="tree_attention_mgpu", interpret=_interpret_params() if interpret else None,
         # written for Lane semantics (per-thread register arrays, explicit layouts); jax 0.11's default is Warpgroup
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

@@ -89,6 +89,55 @@ def test_lowers_for_cuda_on_a_cpu(n, slots, types, heads):
     assert "mosaic_gpu" in text
 
 
+# program layouts beside the default: two or three warpgroups sharing the key and value tiles, 32-key steps
+TILES = [tam.Tiles(2, 64, 2), tam.Tiles(3, 64, 2), tam.Tiles(2, 32, 2), tam.Tiles(3, 32, 3), tam.Tiles(1, 32, 2)]
+
+
+def fits(tiles, types):
+    try:
+        tiles.check(256, tuple(None if t == "bf16" else t for t in types))
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=str)
+@pytest.mark.parametrize("n,types", [(23, ("bf16", "bf16")), (64, ("bf16", "bf16")), (23, ("q8_0", "q8_0")),
+                                     (9, ("q8_0", "bf16"))])
+def test_tiles_lower_for_cuda_on_a_cpu(tiles, n, types):
+    """Every layout that fits shared memory lowers at the 27B's heads (the warpgroups' shared tiles, barriers and
+    split decoding; 64 block tokens in two 32-key steps)."""
+    if not fits(tiles, types):
+        pytest.skip("more shared memory than a block takes (test_tiles_refuse_what_they_cannot_run)")
+    q, kc, vc, kb, vb = inputs(0, n, *TARGET_HEADS, 4160, layers=2, types=types)
+    args = (q, kc, vc, jnp.int32(4000), kb, vb, jnp.tril(jnp.ones((n, n), bool)), jnp.zeros(n, jnp.int32))
+    text = jax.jit(lambda *a: tam.tree_attention(*a, layer=jnp.int32(1), tiles=tiles)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_default_tiles_share_q8_0_tiles_only_where_they_won():
+    """Two warpgroups over q8_0 for more than 64 rows at 16 splits or more (a 23-node tree at 128K), one elsewhere:
+    an AR step's 6 rows, 4K's 5 splits, every bf16 cache."""
+    q8 = ("q8_0", "q8_0")
+    assert tam.default_tiles(q8, 23 * 6, 32) == tam.Tiles(2, 64, 2)
+    assert tam.default_tiles(q8, 6, 32) == tam.default_tiles(q8, 23 * 6, 5) == tam.Tiles()
+    assert tam.default_tiles((None, None), 23 * 6, 32) == tam.Tiles(1, 64, 2)
+
+def test_tiles_refuse_what_they_cannot_run():
+    q, kc, vc, kb, vb = inputs(0, 23, *TARGET_HEADS, 256, layers=2)
+    args = (q, kc, vc, jnp.int32(100), kb, vb, jnp.tril(jnp.ones((23, 23), bool)), jnp.zeros(23, jnp.int32))
+    for tiles, match in ((tam.Tiles(3, 64, 2), "shared memory"), (tam.Tiles(4, 64, 1), "1-3 warpgroups"),
+                         (tam.Tiles(1, 48, 2), "block_k 32 or 64"), (tam.Tiles(1, 64, 4), "1-3 stages")):
+        with pytest.raises(ValueError, match=match):
+            tam.tree_attention(*args, layer=jnp.int32(1), tiles=tiles)
+    q8 = inputs(0, 23, *TARGET_HEADS, 256, layers=2, types=("q8_0", "q8_0"))
+    with pytest.raises(ValueError, match="block_k must be 64"):
+        tam.tree_attention(q8[0], q8[1], q8[2], jnp.int32(100), q8[3], q8[4], args[6], args[7], layer=jnp.int32(1),
+                           tiles=tam.Tiles(1, 32, 2))
+    assert tam.Tiles().smem_bytes(256, ("q8_0", "q8_0")) < tam.SMEM_BYTES
+
+
 # (N, Hq, Hkv, slots, length, splits, prefix_lo, mask): N = 1, a tree, 64 tokens; contexts of 0, 1, odd length and a
 # whole cache; a cache smaller than a key block, one not a multiple of it; more splits than the context needs; a
 # window (prefix_lo) with a causal block
@@ -102,17 +151,24 @@ INTERPRET_CASES = ([case + (TYPES[0],) for case in CPU_CASES]
                    + [case + (types,) for case in CPU_CASES if case[0] in (23, 64) for types in TYPES[1:]])
 
 
-@pytest.mark.parametrize("n,hq,hkv,slots,length,splits,lo,kind,types", INTERPRET_CASES)
-def test_kernel_matches_reference_in_interpret_mode(n, hq, hkv, slots, length, splits, lo, kind, types):
+# q8_0 at one warpgroup: with two, the interpreter (threads sharing XLA's CPU pool) hangs now and then on a
+# two-core machine; bf16 also at two warpgroups of 64-key steps
+INTERPRET_TILES = ([case + (tam.Tiles(1, 64, 2) if "q8_0" in case[-1] else None,) for case in INTERPRET_CASES]
+                   + [case + (tam.Tiles(2, 64, 2),) for case in INTERPRET_CASES[1:5]])
+
+
+@pytest.mark.parametrize("n,hq,hkv,slots,length,splits,lo,kind,types,tiles", INTERPRET_TILES)
+def test_kernel_matches_reference_in_interpret_mode(n, hq, hkv, slots, length, splits, lo, kind, types, tiles):
     """The kernel in GPU interpret mode (its copies, barriers, slot reuse, q8_0 decoding, masks, softmax and merge;
     the products there in jnp) over layer 1 of a two-layer stack, against the reference over the caches as stored
-    (dequantized). Unwritten partials would be NaN. head_dim 64, or 256 with q8_0 (the least it takes)."""
+    (dequantized). Unwritten partials would be NaN. head_dim 64, or 256 with q8_0 (the least it takes); tiles
+    None: default_tiles."""
     q, kc, vc, kb, vb = inputs(n * slots, n, hq, hkv, 256 if "q8_0" in types else 64, slots, layers=2, types=types)
     rng = np.random.default_rng(n + slots)
     blk = jnp.asarray(random_ancestors(rng, n) if kind == "tree" else np.tril(np.ones((n, n), bool)))
     prefix_lo = jnp.full((n,), lo, jnp.int32)
     args = (q, kc, vc, jnp.int32(length), kb, vb, blk, prefix_lo)
-    got = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits, interpret=True)
+    got = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits, interpret=True, tiles=tiles)
     assert got.shape == q.shape and bool(jnp.all(jnp.isfinite(got)))
     want = ref.tree_attention(q, readable(kc, 1), readable(vc, 1), jnp.int32(length), readable(kb), readable(vb),
                               blk, prefix_lo)
@@ -144,6 +200,30 @@ def test_kernel_matches_reference_and_the_triton_kernel(n, slots, length, splits
     assert rel(got, want) < 1e-2  # q, k, v in bf16; p in two bf16 terms
     triton = ta.tree_attention(*args, layer=jnp.int32(1), splits=splits)
     assert rel(got, triton) < 1e-3
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", TILES, ids=str)
+@pytest.mark.parametrize("types", TYPES[:3])
+@pytest.mark.parametrize("n,slots,length,splits,lo", [GPU_CASES[i] for i in (1, 2, 3, 5, 7)])
+def test_tiles_match_the_reference(n, slots, length, splits, lo, types, tiles):
+    """The other layouts at the 27B's heads: the shapes that take several row tiles, pieces and splits."""
+    if not fits(tiles, types):
+        pytest.skip("more shared memory than a block takes")
+    q, kc, vc, kb, vb = inputs(n + slots, n, 24, 4, 256, slots, layers=2, types=types)
+    blk = jnp.asarray(random_ancestors(np.random.default_rng(n + slots), n))
+    prefix_lo = jnp.full((n,), min(lo, length), jnp.int32)
+    if length == 0:
+        blk = blk | jnp.eye(n, dtype=bool)
+    args = (q, kc, vc, jnp.int32(length), kb, vb, blk, prefix_lo)
+    got = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits, tiles=tiles)
+    assert got.shape == q.shape and bool(jnp.all(jnp.isfinite(got)))
+    want = ref.tree_attention(q, readable(kc, 1), readable(vc, 1), jnp.int32(length), readable(kb), readable(vb),
+                              blk, prefix_lo)
+    assert rel(got, want) < 1e-2
+    default = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits)
+    assert rel(got, default) < 1e-3
 
 
 def lowered_kernels(kcfg, k_cache, v_cache, kb, vb, n=23) -> str:
