@@ -65,8 +65,8 @@ class Tiles:
                              f"{SMEM_BYTES // 1024}")
 
     def smem_bytes(self, d: int, kinds: tuple[str | None, str | None]) -> int:
-        """Shared memory of the pipeline's scope (q, masks, key and value stages, the decoded tile), with 1 KiB a
-        buffer for alignment."""
+        """Shared memory of the pipeline's scope (q, masks, key and value stages, the decoded tile), plus 8 KiB for
+        the buffers' alignment and the barriers."""
         field = lambda kind: self.block_k * (d + d // 32 * 2 if kind == "q8_0" else 2 * d)  # noqa: E731
         decoded = self.block_k * d * 2 if "q8_0" in kinds else 0
         w = self.warpgroups
