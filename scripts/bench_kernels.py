@@ -351,7 +351,7 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
             try:
                 if opts.get("mgpu"):
                     sp, tiles = opts.get("splits"), opts.get("tiles")
-                    tiles = MgpuTiles(*map(int, tiles.split(":"))) if tiles else MgpuTiles()
+                    tiles = MgpuTiles(*map(int, tiles.split(":"))) if tiles else None  # None: default_tiles
                     run = jax.jit(lambda q, cs, sp=sp, t=tiles: [
                         tree_attention_mgpu(q, kc, vc, length, kb, vb, anc, lo, splits=sp, exact=exact, tiles=t)
                         for kc, vc in cs])
