@@ -11,7 +11,9 @@ scores are one wgmma of q [64, d] by the keys^T from shared memory, the softmax 
 values' product is a wgmma with p as its A operand from registers. A q8_0 field is decoded into one bf16 tile (the
 keys', then the values'), each warpgroup its share of its columns, behind a barrier all of them pass. With `exact`,
 p enters as two bf16 terms (hi + lo) as in the Triton kernel, so that a position's output does not hang on where
-the split boundaries or the running max fell. The block's mask arrives as two 32-bit words of ancestor bits per row.
+the split boundaries or the running max fell. The block's mask arrives as two 32-bit words of ancestor bits per row;
+a prefix tile every row sees whole (inside its split, past the largest prefix_lo) skips the mask, as the kernel is
+bound by issuing instructions (docs/kernels.md).
 
 On a CPU the tests check that it lowers for CUDA and run it in Pallas' GPU interpret mode (`interpret=True`: its
 copies, barriers, masks, softmax and merge, the products there in jnp); its numerics with wgmma are checked on a GPU
@@ -86,11 +88,12 @@ def default_tiles(kinds: tuple[str | None, str | None], rows: int, splits: int) 
 
 def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, tiles: Tiles,
             kinds: tuple[str | None, str | None], *refs):
-    # refs: len_ref, layer_ref [1] int32; q_ref [Hkv, R, d] bf16; lo_ref [R] int32; bits_ref [2, R] int32 (the
-    # block's mask, key j at bit j % 32 of word j // 32); the keys' then the values' cache fields, [layers, S, Hkv,
-    # d] bf16 or, for q8_0, qs [layers, S, Hkv, d] int8 and d [layers, S, Hkv, d / 32] float16; the block's keys' then
-    # values' fields, [Hkv, 64, ...] alike; o_ref [Hkv, splits + 1, R, d], m_ref and l_ref [Hkv, splits + 1, R]
-    len_ref, layer_ref, q_ref, lo_ref, bits_ref, *fields, o_ref, m_ref, l_ref = refs
+    # refs: len_ref, layer_ref, lo_max_ref [1] int32 (the last: the largest prefix_lo); q_ref [Hkv, R, d] bf16;
+    # lo_ref [R] int32; bits_ref [2, R] int32 (the block's mask, key j at bit j % 32 of word j // 32); the keys' then
+    # the values' cache fields, [layers, S, Hkv, d] bf16 or, for q8_0, qs [layers, S, Hkv, d] int8 and d [layers, S,
+    # Hkv, d / 32] float16; the block's keys' then values' fields, [Hkv, 64, ...] alike; o_ref [Hkv, splits + 1, R,
+    # d], m_ref and l_ref [Hkv, splits + 1, R]
+    len_ref, layer_ref, lo_max_ref, q_ref, lo_ref, bits_ref, *fields, o_ref, m_ref, l_ref = refs
     wgs, bk, stages = tiles.warpgroups, tiles.block_k, tiles.stages
     widths = [2 if kind == "q8_0" else 1 for kind in kinds]
     kc_f, vc_f = fields[:widths[0]], fields[widths[0]:sum(widths)]
@@ -150,6 +153,7 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
             return decode(at(v_st, slot))
 
         def update(carry, slot, visible):
+            # visible: which of the tile's keys each row sees, or None where every row sees all of them
             m, l, acc = carry
             k_smem = keys(slot)
 
@@ -161,9 +165,12 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
                 s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
             else:
                 s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))
-            s = jnp.where(visible, s, NEG)
+            if visible is not None:
+                s = jnp.where(visible, s, NEG)
             m_new = jnp.maximum(m, s.max(axis=1))
-            p = jnp.where(visible, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+            p = jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
+            if visible is not None:
+                p = jnp.where(visible, p, 0.0)
             alpha = jnp.exp(m - m_new)
             l = l * alpha + p.sum(axis=1)
             acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -182,10 +189,11 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
             # registers beside it)
             return m_new, l, pl.run_state(products)(plgpu.ACC.init(acc))
 
-        def pipeline(steps, fetch, visible, carry):
+        def pipeline(steps, fetch, visible, carry, whole=None):
             """`steps` key tiles through the stages: the leader issues `fetch(i, slot)` (its copies arrive on
             k_bar[slot] and v_bar[slot]), every warpgroup folds tile i into its rows' softmax, and the slot takes
-            tile i + stages once all are done with it."""
+            tile i + stages once all are done with it. Where `whole(i)` holds, every row sees all of tile i's keys
+            and its mask is left out (the same bits, fewer instructions)."""
             @leader(True)
             def _():
                 for i in range(stages):
@@ -195,7 +203,11 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
                 slot = jax.lax.rem(i, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                carry = update(carry, slot, visible(i))
+                if whole is None:
+                    carry = update(carry, slot, visible(i))
+                else:
+                    carry = jax.lax.cond(whole(i), lambda c: update(c, slot, None),
+                                         lambda c: update(c, slot, visible(i)), carry)
                 sync()  # the products are done everywhere (their results are in registers): the slot is free
                 leader(i + stages < steps)(lambda: fetch(i + stages, slot))
                 return carry
@@ -210,7 +222,7 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
         plgpu.barrier_wait(q_bar.at[wg])
 
         def prefix():
-            length, layer = len_ref[0], layer_ref[0]
+            length, layer, lo_max = len_ref[0], layer_ref[0], lo_max_ref[0]
             chunk = pl.cdiv(pl.cdiv(length, splits), bk) * bk
             start = split * chunk
             end = jnp.minimum(start + chunk, length)
@@ -230,7 +242,10 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
                 slot_id = first(i) + key
                 return (slot_id >= start + i * bk) & (slot_id < end) & (slot_id >= lo)
 
-            return pipeline(steps, fetch, visible, init)
+            def whole(i):  # tile i lies within [start, end) and past every row's prefix_lo
+                return (start + i * bk >= lo_max) & (start + (i + 1) * bk <= end)
+
+            return pipeline(steps, fetch, visible, init, whole)
 
         def block():
             def fetch(i, slot):
@@ -387,7 +402,8 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
         kernel_name="tree_attention_mgpu", interpret=_interpret_params() if interpret else None,
         # written for Lane semantics (per-thread register arrays, explicit layouts); jax 0.11's default is Warpgroup
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(jnp.reshape(length, (1,)).astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), qf, lo,
+    )(jnp.reshape(length, (1,)).astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+      jnp.max(prefix_lo).astype(jnp.int32).reshape(1), qf, lo,
       mask_bits(blk_mask, group, r_pad), *fields)
     return merge(o, m, l, n, hq, None)
 

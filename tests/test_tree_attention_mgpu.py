@@ -176,6 +176,27 @@ def test_kernel_matches_reference_in_interpret_mode(n, hq, hkv, slots, length, s
     assert rel(got, want) < 1e-2  # q, k, v in bf16; p in two bf16 terms
 
 
+def decoded(x):
+    """A q8_0 cache or block as the bf16 rows the kernel decodes it into: each code times its block's scale (exact in
+    float32), rounded to bf16 once."""
+    return kvq.readable(x).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("types", TYPES[1:], ids=str)
+def test_q8_0_is_its_decoded_bf16_cache_in_interpret_mode(types):
+    """A q8_0 field decodes into exactly the bf16 rows `decoded` gives: attention over it is bit for bit attention
+    over those rows as a bf16 cache (same tiles, so the same arithmetic after the decoding)."""
+    q, kc, vc, kb, vb = inputs(5, 23, 6, 2, 256, 200, layers=2, types=types)
+    blk, lo = jnp.asarray(random_ancestors(np.random.default_rng(5), 23)), jnp.zeros((23,), jnp.int32)
+
+    def run(kc, vc, kb, vb):
+        return tam.tree_attention(q, kc, vc, jnp.int32(131), kb, vb, blk, lo, layer=jnp.int32(1), splits=3,
+                                  interpret=True, tiles=tam.Tiles())
+
+    as_bf16 = [decoded(x) if isinstance(x, kvq.KVBlocks) else x for x in (kc, vc, kb, vb)]
+    np.testing.assert_array_equal(np.asarray(run(kc, vc, kb, vb)), np.asarray(run(*as_bf16)))
+
+
 # (N, slots, length, splits, prefix_lo): N = 1, a tree of 23, 64 tokens; contexts of 0, 1 and odd length; a cache
 # smaller than a key block and one not a multiple of it; more splits than the context needs; a window
 GPU_CASES = [(1, 4160, 4095, None, 0), (23, 4160, 4096, None, 0), (23, 296, 211, 4, 0), (23, 40, 0, None, 0),
@@ -222,6 +243,23 @@ def test_tiles_match_the_reference(n, slots, length, splits, lo, types, tiles):
     assert rel(got, want) < 1e-2
     default = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits)
     assert rel(got, default) < 1e-3
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [tam.Tiles(), tam.Tiles(2, 64, 2)], ids=str)
+@pytest.mark.parametrize("n,slots,length,splits,lo", [GPU_CASES[i] for i in (1, 5)])
+def test_q8_0_is_its_decoded_bf16_cache(n, slots, length, splits, lo, tiles):
+    """On the GPU with wgmma: attention over q8_0 keys and values is bit for bit attention over the bf16 rows they
+    decode to."""
+    (q, kc, vc, length, kb, vb, blk, prefix_lo), _ = gpu_case(n, slots, length, lo, TYPES[1])
+
+    def run(kc, vc, kb, vb):
+        return tam.tree_attention(q, kc, vc, length, kb, vb, blk, prefix_lo, layer=jnp.int32(1), splits=splits,
+                                  tiles=tiles)
+
+    as_bf16 = [decoded(x) if isinstance(x, kvq.KVBlocks) else x for x in (kc, vc, kb, vb)]
+    np.testing.assert_array_equal(np.asarray(run(kc, vc, kb, vb)), np.asarray(run(*as_bf16)))
 
 
 def lowered_kernels(kcfg, k_cache, v_cache, kb, vb, n=23) -> str:
