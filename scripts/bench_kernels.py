@@ -25,13 +25,15 @@ qmatmul_groups: weights one x multiplies (an MLP's gate and up, a GDN layer's qk
 the Mosaic Q4_K kernel, a launch each against one launch for the group (`qmatmul_many`, which `kernels.linears`
 takes), at each `--m`, with whether the two give the same bits.
 
-tree_attention: a 23-node tree over 4K and 32K committed tokens, the target's 16 attention layers (24 query / 4 KV
-heads x 256) in one call, for each cache type of `--kv_types` (default bf16; the block types are read as stored, the
-block's own rows in the cache's type, as the model passes them); floor = the bytes it must read (K and V of the
-context as stored, the block's q/k/v) over the read-stream rate. Also the jnp reference under XLA (over the dequantized
-cache). `--sweep` also times tiles (rows, keys, warps, stages) at the default split and splits at the default
-tile. On a GPU, a bf16 or q8_0 cache also times the Mosaic GPU kernel (tree_attention_mgpu.py, `{'mgpu': True}`)
-at its default split and at each `--attn_splits`.
+tree_attention: a 23-node tree (`--attn_tokens`: other sizes, 1 for the AR step) over 4K and 32K committed tokens,
+the target's 16 attention layers (24 query / 4 KV heads x 256) in one call, for each cache type of `--kv_types`
+(default bf16; the block types are read as stored, the block's own rows in the cache's type, as the model passes
+them); floor = the bytes it must read (K and V of the context as stored, the block's q/k/v) over the read-stream
+rate. Also the jnp reference under XLA (over the dequantized cache). `--sweep` also times tiles (rows, keys, warps,
+stages) at the default split and splits at the default tile. On a GPU, a bf16 or q8_0 cache also times the Mosaic
+GPU kernel (tree_attention_mgpu.py, `{'mgpu': True}`) at its default split and at each `--attn_splits`.
+`--attn_kernels` leaves out the others (triton, mosaic, xla: at 128K over q8_0 XLA's reference took 64 ms a call,
+scripts/results/mgpu_attention_q8_0_before_whole_tiles_h200_nov29.json).
 
 gdn: verify of a 23-node tree over the 48 GDN layers (48 heads of 128 x 128, float32 state), a 64-token prefill
 chunk over the same layers, and the 48-layer path commit, against the AR step's weight-streaming time: the 27B
@@ -309,14 +311,21 @@ def _attention_caches(key: jax.Array, layers: int, slots: int, hkv: int, d: int,
     return [(draw(jax.random.fold_in(key[0], i)), draw(jax.random.fold_in(key[1], i))) for i in range(layers)]
 
 
+ATTN_KERNELS = ("triton", "mosaic", "xla")
+
+
 def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True,
                          kv_types: tuple[str, ...] = ("bf16",), splits: tuple[int, ...] = (),
-                         interpret: bool = False, mgpu_tiles: tuple[str, ...] = ()) -> list[dict]:
+                         interpret: bool = False, mgpu_tiles: tuple[str, ...] = (),
+                         kernels: tuple[str, ...] = ATTN_KERNELS) -> list[dict]:
     """The 27B's tree attention (16 layers, `n` tree tokens) over a random cache of each context and type: the
     kernel at its defaults, at each prefix split of `splits`, with `sweep` at the tile variants and splits 8-64,
     and XLA's reference; `interpret` runs the kernel in interpret mode (a CPU check of the harness). On a GPU the
     Mosaic kernel also runs at its default tiles and at each of `mgpu_tiles` ("warpgroups:block_k:stages"), each at
-    the default split and at `splits`."""
+    the default split and at `splits`. `kernels`: which of the Triton kernel, the Mosaic one and XLA's reference
+    (ATTN_KERNELS) to time."""
+    if set(kernels) - set(ATTN_KERNELS):
+        raise ValueError(f"tree attention kernels are {ATTN_KERNELS}, got {kernels}")
     cfg = load_target_config(CONFIG_27B)
     layers, hq, hkv, d = len(cfg.full_attention_layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     anc, lo = _random_tree(n), jnp.zeros(n, jnp.int32)
@@ -335,14 +344,14 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
         read = lambda cs: [(kvq.readable(kc), kvq.readable(vc)) for kc, vc in cs]  # noqa: E731
         rows_b = kvq.readable(kb), kvq.readable(vb)
         want = ref.tree_attention(q, *read(caches[:1])[0], length, *rows_b, anc, lo)
-        variants = [dict()] + [dict(splits=sp) for sp in splits]
-        if sweep:
+        variants = [dict()] + [dict(splits=sp) for sp in splits] if "triton" in kernels else []
+        if sweep and "triton" in kernels:
             # tiles at the default split, then the split at the default tile (the 2026-11-23 and -27 files hold
             # an earlier sweep of splits x tiles: splits 8-64 changed little)
             variants += [dict(block_rows=r, block_k=b, num_warps=w, num_stages=st) for r in (32, 64, 128)
                          for b in (32, 64) for w in (4, 8) for st in (2, 3)]
             variants += [dict(splits=s) for s in (8, 32, 64)]
-        if kind in ("bf16", "q8_0") and not interpret and jax.default_backend() == "gpu":  # the Mosaic GPU kernel
+        if "mosaic" in kernels and kind in ("bf16", "q8_0") and not interpret and jax.default_backend() == "gpu":
             for tiles in (None, *mgpu_tiles):
                 variants += [dict(mgpu=True, **({"tiles": tiles} if tiles else {}), **({"splits": sp} if sp else {}))
                              for sp in (None, *splits)]
@@ -372,14 +381,15 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
             print(f"  tree_attention {label} {str(opts or 'default'):45s} {t*1e6:8.1f} us "
                   f"(floor {floor*1e6:7.1f} us, {floor / t:4.2f} of it)  err {err:.1e}"
                   + _kernel_note(rows[-1], "tree_attention"), flush=True)
-        # the reference dequantizes each layer as the model's reference path does
-        xla = jax.jit(lambda q, cs: [ref.tree_attention(q, kc, vc, length, *rows_b, anc, lo) for kc, vc in read(cs)])
-        t = median_seconds(xla, q, caches)
-        rows.append(dict(kernel="xla_tree_attention", context=context, n=n, layers=layers, kv_type=kind,
-                         us=t * 1e6, floor_us=floor_bytes / stream * 1e6, floor_ratio=floor_bytes / stream / t,
-                         **_kernel_times(xla, q, caches)))
-        print(f"  tree_attention {label} {'XLA reference':45s} {t*1e6:8.1f} us"
-              + (f"  kernels {rows[-1]['kernel_us']:8.1f} us" if "kernel_us" in rows[-1] else ""), flush=True)
+        if "xla" in kernels:  # the reference dequantizes each layer as the model's reference path does
+            xla = jax.jit(lambda q, cs: [ref.tree_attention(q, kc, vc, length, *rows_b, anc, lo)
+                                         for kc, vc in read(cs)])
+            t = median_seconds(xla, q, caches)
+            rows.append(dict(kernel="xla_tree_attention", context=context, n=n, layers=layers, kv_type=kind,
+                             us=t * 1e6, floor_us=floor_bytes / stream * 1e6, floor_ratio=floor_bytes / stream / t,
+                             **_kernel_times(xla, q, caches)))
+            print(f"  tree_attention {label} {'XLA reference':45s} {t*1e6:8.1f} us"
+                  + (f"  kernels {rows[-1]['kernel_us']:8.1f} us" if "kernel_us" in rows[-1] else ""), flush=True)
         del caches
     return rows
 
@@ -559,6 +569,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="which kernels to time")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768],
                     help="tree_attention's committed contexts in tokens (default: 4096 32768)")
+    ap.add_argument("--attn_tokens", type=int, nargs="+", default=[23],
+                    help="tree_attention's block sizes in tokens (default: 23, DDTree-22's tree; 1 is the AR step)")
+    ap.add_argument("--attn_kernels", nargs="+", choices=ATTN_KERNELS, default=list(ATTN_KERNELS),
+                    help="which tree attentions to time: the Triton kernel, the Mosaic GPU one (Hopper), XLA's "
+                         "reference (default: all)")
     ap.add_argument("--attn_splits", type=int, nargs="+", default=[],
                     help="tree_attention also at these prefix splits (the default: one per 1024 slots, at most 32)")
     ap.add_argument("--mgpu_tiles", nargs="+", default=[], metavar="WARPGROUPS:BLOCK_K:STAGES",
@@ -585,9 +600,10 @@ def main(argv: list[str] | None = None) -> None:
     if "qmatmul_groups" in args.kernels:
         rows += bench_qmatmul_groups(args.m, stream)
     if "tree_attention" in args.kernels:
-        rows += bench_tree_attention(stream, args.sweep, contexts=tuple(args.contexts), exact=exact,
-                                     kv_types=tuple(args.kv_types), splits=tuple(args.attn_splits),
-                                     mgpu_tiles=tuple(args.mgpu_tiles))
+        for n in args.attn_tokens:
+            rows += bench_tree_attention(stream, args.sweep, n=n, contexts=tuple(args.contexts), exact=exact,
+                                         kv_types=tuple(args.kv_types), splits=tuple(args.attn_splits),
+                                         mgpu_tiles=tuple(args.mgpu_tiles), kernels=tuple(args.attn_kernels))
     if "gdn" in args.kernels:
         rows += bench_gdn(stream, exact=exact)
         if args.sweep:
@@ -601,8 +617,8 @@ def main(argv: list[str] | None = None) -> None:
         if r["kernel"] not in ("qmatmul", "qmatmul_mgpu", "qmatmul_group", "xla_dequant_dot") and "splits" not in r:  # not a sweep
             extra = f"  {r['floor_ratio']:.2f} of floor" if "floor_ratio" in r else ""
             extra += f"  {r['of_ar']:.3f} of AR weights" if "of_ar" in r else ""
-            print(f"{r['kernel']:22s} {('ctx ' + str(r['context'])) if 'context' in r else '':10s} "
-                  f"{r.get('kv_type', ''):5s} {r['us']:9.1f} us" + extra)
+            where = f"ctx {r['context']}" + (f" N={r['n']}" if "n" in r else "") if "context" in r else ""
+            print(f"{r['kernel']:22s} {where:15s} {r.get('kv_type', ''):5s} {r['us']:9.1f} us" + extra)
     if "qmatmul" in args.kernels:
         print(qmatmul_table(rows, args.m, [shape for shape in shapes
                                            if not args.only or f"{shape[0]}:{shape[1]}" in args.only]))

@@ -1,17 +1,20 @@
-"""The Mosaic GPU kernels' PTX and ptxas report (Q4_K, or Q6_K with --fmt), on a Hopper GPU: registers, spills,
-and the instructions of its pipeline loop (how many of each opcode, the barriers, the wgmma waits).
+"""The Mosaic GPU kernels' PTX and ptxas report (Q4_K, or Q6_K with --fmt; the tree attention with --attention), on
+a Hopper GPU: registers, spills, and the instructions of its pipeline loop (how many of each opcode, the barriers,
+the wgmma waits).
 
     python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --fmt Q4_K]
+    python scripts/mgpu_ptx.py --out DIR --attention q8_0 [--m 23 --context 131072 --tiles 2:64:2]
     python scripts/mgpu_ptx.py --read scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx   # a saved dump, no GPU
     python scripts/mgpu_ptx.py --read ... --sass   # also assembled for sm_90a by pip's triton (no GPU either)
 
-Mosaic GPU writes what it compiles where MOSAIC_GPU_DUMP_TO says, when MOSAIC_GPU_DUMP_PTX and
-MOSAIC_GPU_DUMP_PTXAS are set; the script sets them, runs the kernel once on a random weight (which compiles it)
-and checks it against its reference, then reads the dump. The opcode counts are of the whole kernel, the loop's
-body unrolled over the super-block's 8 sub-blocks; inline PTX counts by the instructions inside it. `--sass`
-assembles the PTX with the ptxas of pip's `triton` package (its PTX ISA may be older than Mosaic GPU's: the
-`.version` line is lowered to what that ptxas takes, which it says when it refuses) and reports the SASS: the
-kernel's instruction count and its pipeline loop's (the longest loop, `qmatmul_sass.loops`) by opcode.
+Mosaic GPU writes what it compiles where MOSAIC_GPU_DUMP_TO says, when MOSAIC_GPU_DUMP_PTX and MOSAIC_GPU_DUMP_PTXAS
+are set; the script sets them, runs the kernel once on a random weight (which compiles it) and checks it against its
+reference, then reads the dump (the tree attention: the 27B's heads, one layer, a random tree of --m tokens over
+--context committed ones, at its default splits). The opcode counts are of the whole kernel, the loop's body
+unrolled over the super-block's 8 sub-blocks; inline PTX counts by the instructions inside it. `--sass` assembles
+the PTX with the ptxas of pip's `triton` package (its PTX ISA may be older than Mosaic GPU's: the `.version` line is
+lowered to what that ptxas takes, which it says when it refuses) and reports the SASS: the kernel's instruction
+count and its pipeline loop's (the longest loop, `qmatmul_sass.loops`) by opcode.
 """
 
 from __future__ import annotations
@@ -90,6 +93,44 @@ def dump(out: Path, n: int, k: int, m: int, fmt: str = "Q4_K") -> tuple[str, str
     return ptx[-1].read_text(), ptxas.read_text() if ptxas.exists() else ""
 
 
+def dump_attention(out: Path, m: int, context: int, kind: str, tiles: str | None = None) -> tuple[str, str]:
+    """Compile and run the Mosaic tree attention (tree_attention_mgpu.py) once over a `kind` cache (bf16 or q8_0) with
+    Mosaic GPU's dumps going to `out`; the PTX and ptxas texts. `tiles`: "warpgroups:block_k:stages" (default: the
+    kernel's own choice)."""
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(out))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dflash_jax import kv_quant as kvq
+    from dflash_jax.defaults import device_class
+    from dflash_jax.testing.trees import random_ancestors
+    from pallas_kernels import reference as ref
+    from pallas_kernels import tree_attention_mgpu as tam
+
+    if device_class() != "hopper":
+        raise SystemExit("the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x)")
+    keys = jax.random.split(jax.random.key(0), 5)
+    slots = -(-(context + 64) // 8) * 8  # TMA tiles the slots by 8
+    store = lambda x: kvq.stored(x, kvq.empty(kind, x.shape))  # noqa: E731
+    q = jax.random.normal(keys[0], (m, 24, 256))
+    kc, vc = (store(jax.random.normal(k, (slots, 4, 256), jnp.bfloat16)) for k in keys[1:3])
+    kb, vb = (store(jax.random.normal(k, (m, 4, 256), jnp.bfloat16)) for k in keys[3:5])
+    blk, lo = jnp.asarray(random_ancestors(np.random.default_rng(0), m)), jnp.zeros((m,), jnp.int32)
+    layout = tam.Tiles(*map(int, tiles.split(":"))) if tiles else None
+    got = tam.tree_attention(q, kc, vc, jnp.int32(context), kb, vb, blk, lo, tiles=layout)
+    want = ref.tree_attention(q, *(kvq.readable(x).astype(jnp.float32) for x in (kc, vc)), jnp.int32(context),
+                              *(kvq.readable(x).astype(jnp.float32) for x in (kb, vb)), blk, lo)
+    print(f"relative error against the reference {float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)):.2e}")
+    ptx = sorted(out.glob("tree_attention_mgpu*.ptx"))
+    if not ptx:
+        raise SystemExit(f"no PTX was dumped to {out}")
+    ptxas = ptx[-1].with_suffix(".ptxas")
+    return ptx[-1].read_text(), ptxas.read_text() if ptxas.exists() else ""
+
+
 def sass(ptx: str) -> tuple[str, str]:
     """(SASS, note) of `ptx` assembled for sm_90a by pip triton's ptxas and read back by its cuobjdump; the note
     says if the PTX's `.version` had to be lowered for that ptxas."""
@@ -133,6 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=5120, help="weight columns")
     ap.add_argument("--m", type=int, default=23, help="tokens")
     ap.add_argument("--fmt", default="Q4_K", choices=("Q4_K", "Q6_K"), help="the weight format (its kernel)")
+    ap.add_argument("--attention", choices=("bf16", "q8_0"),
+                    help="dump the Mosaic tree attention over a cache of this type instead of a product")
+    ap.add_argument("--context", type=int, default=131072, help="--attention's committed tokens")
+    ap.add_argument("--tiles", metavar="WARPGROUPS:BLOCK_K:STAGES", help="--attention's layout (default: its own)")
     ap.add_argument("--sass", action="store_true", help="also assemble the PTX (pip's triton) and count the SASS")
     args = ap.parse_args(argv)
     if (args.out is None) == (args.read is None):
@@ -140,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.read:
         ptxas = args.read.with_suffix(".ptxas")
         ptx_text, ptxas_text = args.read.read_text(), ptxas.read_text() if ptxas.exists() else ""
+    elif args.attention:
+        ptx_text, ptxas_text = dump_attention(args.out, args.m, args.context, args.attention, args.tiles)
     else:
         ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.fmt)
     print(report(ptx_text, ptxas_text))

@@ -265,6 +265,19 @@ def test_bench_kernels_tree_attention_at_a_context_and_splits_asked_for():
     assert all(r["rel_err"] < 5e-3 and r["us"] > 0 for r in rows[:2])
 
 
+def test_bench_kernels_tree_attention_times_only_the_kernels_asked_for():
+    """`--attn_kernels` and `--attn_tokens`: the AR step's one token on XLA's reference alone, then the Triton kernel
+    alone (in interpret mode); an unknown kernel is refused."""
+    import bench_kernels
+
+    rows = bench_kernels.bench_tree_attention(1e12, False, n=1, contexts=(40,), interpret=True, kernels=("xla",))
+    assert [(r["kernel"], r["n"]) for r in rows] == [("xla_tree_attention", 1)]
+    rows = bench_kernels.bench_tree_attention(1e12, False, n=1, contexts=(40,), interpret=True, kernels=("triton",))
+    assert [(r["kernel"], r["n"]) for r in rows] == [("tree_attention", 1)] and rows[0]["rel_err"] < 5e-3
+    with pytest.raises(ValueError, match="tree attention kernels"):
+        bench_kernels.bench_tree_attention(1e12, False, contexts=(40,), interpret=True, kernels=("cudnn",))
+
+
 def test_bench_kernels_qmatmul_section_on_a_small_matrix(capsys):
     """bench_kernels' qmatmul section on one small matrix, the kernels in interpret mode: rows for the default tiles,
     a variant at one M only and XLA, and the table; a CPU trace has no GPU kernel time, so none is given."""
