@@ -65,53 +65,59 @@ def report(ptx: str, ptxas: str = "") -> str:
     return "\n".join(lines)
 
 
-def dump(out: Path, n: int, k: int, m: int, fmt: str = "Q4_K") -> tuple[str, str]:
-    """Compile and run the kernel for `fmt` (Q4_K: qmatmul_mgpu; Q6_K: qmatmul_mgpu_q6k) once with Mosaic GPU's
-    dumps going to `out`; the PTX and ptxas texts."""
+def _dump_to(out: Path) -> None:
+    """Mosaic GPU's PTX and ptxas dumps to `out`, on a Hopper GPU, with the repository importable. Mosaic GPU reads
+    the variables when it compiles, so this runs before jax is imported here."""
     out.mkdir(parents=True, exist_ok=True)
-    # read when Mosaic GPU compiles, so set before jax is imported here
     os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(out))
-    import jax
-    import jax.numpy as jnp
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dflash_jax.defaults import device_class
-    from dflash_jax.testing.synthetic import random_matrix
-    from pallas_kernels import qmatmul as qm
 
     if device_class() != "hopper":
         raise SystemExit("the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x)")
-    qt, kernel = random_matrix(jax.random.key(0), fmt, (n, k)), qm.MGPU_MODULES[fmt]
-    w = kernel.pack(qt.fmt, qt.shape, qt.data)
-    x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
-    got, want = kernel.qmatmul(x, w), kernel.reference(x, w)
-    print(f"max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}")
-    ptx = sorted(out.glob(f"qmatmul_mgpu_{fmt.lower()}*.ptx"))
+
+
+def _dumped(out: Path, pattern: str) -> tuple[str, str]:
+    """The PTX and ptxas texts of the last kernel dumped to `out` whose PTX file matches `pattern`."""
+    ptx = sorted(out.glob(pattern))
     if not ptx:
         raise SystemExit(f"no PTX was dumped to {out}")
     ptxas = ptx[-1].with_suffix(".ptxas")
     return ptx[-1].read_text(), ptxas.read_text() if ptxas.exists() else ""
 
 
+def dump(out: Path, n: int, k: int, m: int, fmt: str = "Q4_K") -> tuple[str, str]:
+    """Compile and run the kernel for `fmt` (Q4_K: qmatmul_mgpu; Q6_K: qmatmul_mgpu_q6k) once with Mosaic GPU's
+    dumps going to `out`; the PTX and ptxas texts."""
+    _dump_to(out)
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.testing.synthetic import random_matrix
+    from pallas_kernels import qmatmul as qm
+
+    qt, kernel = random_matrix(jax.random.key(0), fmt, (n, k)), qm.MGPU_MODULES[fmt]
+    w = kernel.pack(qt.fmt, qt.shape, qt.data)
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
+    got, want = kernel.qmatmul(x, w), kernel.reference(x, w)
+    print(f"max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}")
+    return _dumped(out, f"qmatmul_mgpu_{fmt.lower()}*.ptx")
+
+
 def dump_attention(out: Path, m: int, context: int, kind: str, tiles: str | None = None) -> tuple[str, str]:
     """Compile and run the Mosaic tree attention (tree_attention_mgpu.py) once over a `kind` cache (bf16 or q8_0) with
     Mosaic GPU's dumps going to `out`; the PTX and ptxas texts. `tiles`: "warpgroups:block_k:stages" (default: the
     kernel's own choice)."""
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(out))
+    _dump_to(out)
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dflash_jax import kv_quant as kvq
-    from dflash_jax.defaults import device_class
     from dflash_jax.testing.trees import random_ancestors
     from pallas_kernels import reference as ref
     from pallas_kernels import tree_attention_mgpu as tam
 
-    if device_class() != "hopper":
-        raise SystemExit("the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x)")
     keys = jax.random.split(jax.random.key(0), 5)
     slots = -(-(context + 64) // 8) * 8  # TMA tiles the slots by 8
     store = lambda x: kvq.stored(x, kvq.empty(kind, x.shape))  # noqa: E731
@@ -124,11 +130,7 @@ def dump_attention(out: Path, m: int, context: int, kind: str, tiles: str | None
     want = ref.tree_attention(q, *(kvq.readable(x).astype(jnp.float32) for x in (kc, vc)), jnp.int32(context),
                               *(kvq.readable(x).astype(jnp.float32) for x in (kb, vb)), blk, lo)
     print(f"relative error against the reference {float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)):.2e}")
-    ptx = sorted(out.glob("tree_attention_mgpu*.ptx"))
-    if not ptx:
-        raise SystemExit(f"no PTX was dumped to {out}")
-    ptxas = ptx[-1].with_suffix(".ptxas")
-    return ptx[-1].read_text(), ptxas.read_text() if ptxas.exists() else ""
+    return _dumped(out, "tree_attention_mgpu*.ptx")
 
 
 def sass(ptx: str) -> tuple[str, str]:
