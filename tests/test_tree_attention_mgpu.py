@@ -176,16 +176,17 @@ def test_kernel_matches_reference_in_interpret_mode(n, hq, hkv, slots, length, s
     assert rel(got, want) < 1e-2  # q, k, v in bf16; p in two bf16 terms
 
 
-def decoded(x):
-    """A q8_0 cache or block as the bf16 rows the kernel decodes it into: each code times its block's scale (exact in
-    float32), rounded to bf16 once."""
-    return kvq.readable(x).astype(jnp.bfloat16)
+def assert_decodes_as_bf16(run, kc, vc, kb, vb):
+    """`run(kc, vc, kb, vb)` over q8_0 fields gives the bits it gives over the bf16 rows the kernel decodes them into:
+    each code times its block's scale (exact in float32), rounded to bf16 once."""
+    as_bf16 = [kvq.readable(x).astype(jnp.bfloat16) if isinstance(x, kvq.KVBlocks) else x for x in (kc, vc, kb, vb)]
+    np.testing.assert_array_equal(np.asarray(run(kc, vc, kb, vb)), np.asarray(run(*as_bf16)))
 
 
 @pytest.mark.parametrize("types", TYPES[1:], ids=str)
 def test_q8_0_is_its_decoded_bf16_cache_in_interpret_mode(types):
-    """A q8_0 field decodes into exactly the bf16 rows `decoded` gives: attention over it is bit for bit attention
-    over those rows as a bf16 cache (same tiles, so the same arithmetic after the decoding)."""
+    """A q8_0 field decodes into exactly the bf16 rows `assert_decodes_as_bf16` makes: attention over it is bit for
+    bit attention over those rows as a bf16 cache (same tiles, so the same arithmetic after the decoding)."""
     q, kc, vc, kb, vb = inputs(5, 23, 6, 2, 256, 200, layers=2, types=types)
     blk, lo = jnp.asarray(random_ancestors(np.random.default_rng(5), 23)), jnp.zeros((23,), jnp.int32)
 
@@ -193,8 +194,7 @@ def test_q8_0_is_its_decoded_bf16_cache_in_interpret_mode(types):
         return tam.tree_attention(q, kc, vc, jnp.int32(131), kb, vb, blk, lo, layer=jnp.int32(1), splits=3,
                                   interpret=True, tiles=tam.Tiles())
 
-    as_bf16 = [decoded(x) if isinstance(x, kvq.KVBlocks) else x for x in (kc, vc, kb, vb)]
-    np.testing.assert_array_equal(np.asarray(run(kc, vc, kb, vb)), np.asarray(run(*as_bf16)))
+    assert_decodes_as_bf16(run, kc, vc, kb, vb)
 
 
 # (N, slots, length, splits, prefix_lo): N = 1, a tree of 23, 64 tokens; contexts of 0, 1 and odd length; a cache
@@ -258,8 +258,7 @@ def test_q8_0_is_its_decoded_bf16_cache(n, slots, length, splits, lo, tiles):
         return tam.tree_attention(q, kc, vc, length, kb, vb, blk, prefix_lo, layer=jnp.int32(1), splits=splits,
                                   tiles=tiles)
 
-    as_bf16 = [decoded(x) if isinstance(x, kvq.KVBlocks) else x for x in (kc, vc, kb, vb)]
-    np.testing.assert_array_equal(np.asarray(run(kc, vc, kb, vb)), np.asarray(run(*as_bf16)))
+    assert_decodes_as_bf16(run, kc, vc, kb, vb)
 
 
 def lowered_kernels(kcfg, k_cache, v_cache, kb, vb, n=23) -> str:
