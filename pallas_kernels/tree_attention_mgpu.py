@@ -12,8 +12,9 @@ values' product is a wgmma with p as its A operand from registers. A q8_0 field 
 keys', then the values'), each warpgroup its share of its columns, behind a barrier all of them pass. With `exact`,
 p enters as two bf16 terms (hi + lo) as in the Triton kernel, so that a position's output does not hang on where
 the split boundaries or the running max fell. The block's mask arrives as two 32-bit words of ancestor bits per row;
-a prefix tile every row sees whole (inside its split, past the largest prefix_lo) skips the mask, as the kernel is
-bound by issuing instructions (docs/kernels.md).
+a prefix tile every row sees whole (inside its split, past the largest prefix_lo) skips the mask, and a warpgroup
+whose rows are all padding only decodes and passes the barriers, as the kernel is bound by its warps' instruction
+chains (docs/kernels.md).
 
 On a CPU the tests check that it lowers for CUDA and run it in Pallas' GPU interpret mode (`interpret=True`: its
 copies, barriers, masks, softmax and merge, the products there in jnp); its numerics with wgmma are checked on a GPU
@@ -86,8 +87,9 @@ def default_tiles(kinds: tuple[str | None, str | None], rows: int, splits: int) 
     return Tiles()
 
 
-def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, tiles: Tiles,
+def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interpret: bool, tiles: Tiles,
             kinds: tuple[str | None, str | None], *refs):
+    # used: the query rows that are not padding (tokens x group).
     # refs: len_ref, layer_ref, lo_max_ref [1] int32 (the last: the largest prefix_lo); q_ref [Hkv, R, d] bf16;
     # lo_ref [R] int32; bits_ref [2, R] int32 (the block's mask, key j at bit j % 32 of word j // 32); the keys' then
     # the values' cache fields, [layers, S, Hkv, d] bf16 or, for q8_0, qs [layers, S, Hkv, d] int8 and d [layers, S,
@@ -152,10 +154,14 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
                 sync()  # every warpgroup's scores have read the keys from `dec`
             return decode(at(v_st, slot))
 
-        def update(carry, slot, visible):
-            # visible: which of the tile's keys each row sees, or None where every row sees all of them
+        def update(carry, slot, visible, compute=True):
+            # visible: which of the tile's keys each row sees, or None where every row sees all of them; without
+            # `compute` (a warpgroup whose rows are all padding) only its share of the decoding and the barriers
             m, l, acc = carry
             k_smem = keys(slot)
+            if not compute:
+                values(slot)
+                return carry
 
             def scores(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
@@ -189,7 +195,7 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
             # registers beside it)
             return m_new, l, pl.run_state(products)(plgpu.ACC.init(acc))
 
-        def pipeline(steps, fetch, visible, carry, whole=None):
+        def pipeline(steps, fetch, visible, carry, whole=None, compute=True):
             """`steps` key tiles through the stages: the leader issues `fetch(i, slot)` (its copies arrive on
             k_bar[slot] and v_bar[slot]), every warpgroup folds tile i into its rows' softmax, and the slot takes
             tile i + stages once all are done with it. Where `whole(i)` holds, every row sees all of tile i's keys
@@ -203,7 +209,9 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
                 slot = jax.lax.rem(i, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                if whole is None:
+                if not compute:
+                    carry = update(carry, slot, None, compute)
+                elif whole is None:
                     carry = update(carry, slot, visible(i))
                 else:
                     carry = jax.lax.cond(whole(i), lambda c: update(c, slot, None),
@@ -221,7 +229,7 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
                 cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA))
         plgpu.barrier_wait(q_bar.at[wg])
 
-        def prefix():
+        def prefix(compute):
             length, layer, lo_max = len_ref[0], layer_ref[0], lo_max_ref[0]
             chunk = pl.cdiv(pl.cdiv(length, splits), bk) * bk
             start = split * chunk
@@ -245,9 +253,9 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
             def whole(i):  # tile i lies within [start, end) and past every row's prefix_lo
                 return (start + i * bk >= lo_max) & (start + (i + 1) * bk <= end)
 
-            return pipeline(steps, fetch, visible, init, whole)
+            return pipeline(steps, fetch, visible, init, whole, compute)
 
-        def block():
+        def block(compute):
             def fetch(i, slot):
                 for src, dst, bar in ((kb_f, k_st, k_bar), (vb_f, v_st, v_bar)):
                     for f, stage in zip(src, dst):
@@ -261,9 +269,17 @@ def _kernel(splits: int, slots: int, pieces: int, exact: bool, interpret: bool, 
                     word = jax.lax.broadcast_in_dim(load_row(bits_smem.at[i]), (ROWS, bk), [0])
                 return jax.lax.shift_right_logical(word, key & 31) & 1 != 0
 
-            return pipeline(pieces, fetch, visible, init)
+            return pipeline(pieces, fetch, visible, init, compute=compute)
 
-        out = jax.lax.cond(split < splits, prefix, block)
+        def run(compute):
+            return jax.lax.cond(split < splits, lambda: prefix(compute), lambda: block(compute))
+
+        if wgs > 1 and pl.cdiv(used, ROWS * wgs) * ROWS * wgs - used >= ROWS:
+            # the last row tile has warpgroups of padding alone (23 tree tokens x 6 heads = 138 rows: the second
+            # 128-row tile holds 10): they decode their share and skip the scores, softmax and products
+            out = jax.lax.cond(rows.start < used, lambda: run(True), lambda: run(False))
+        else:
+            out = run(True)
         sync()  # no warpgroup is still reading the stages when the output's scope takes their shared memory
         return out
 
@@ -393,7 +409,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
     fields = [f for x in (k_cache, v_cache) for f in _fields(x)]
     fields += [per_head(f) for x in (k_blk, v_blk) for f in _fields(x)]
     o, m, l = plgpu.kernel(
-        functools.partial(_kernel, splits, s, pl.cdiv(n, tiles.block_k), exact, interpret, tiles, kinds),
+        functools.partial(_kernel, splits, s, pl.cdiv(n, tiles.block_k), n * group, exact, interpret, tiles, kinds),
         out_type=(jax.ShapeDtypeStruct((hkv, parts, r_pad, d), jnp.float32),
                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32),
                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32)),
