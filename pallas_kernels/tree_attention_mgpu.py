@@ -154,14 +154,10 @@ def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interp
                 sync()  # every warpgroup's scores have read the keys from `dec`
             return decode(at(v_st, slot))
 
-        def update(carry, slot, visible, compute=True):
-            # visible: which of the tile's keys each row sees, or None where every row sees all of them; without
-            # `compute` (a warpgroup whose rows are all padding) only its share of the decoding and the barriers
+        def update(carry, slot, visible):
+            # visible: which of the tile's keys each row sees, or None where every row sees all of them
             m, l, acc = carry
             k_smem = keys(slot)
-            if not compute:
-                values(slot)
-                return carry
 
             def scores(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
@@ -209,8 +205,9 @@ def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interp
                 slot = jax.lax.rem(i, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                if not compute:
-                    carry = update(carry, slot, None, compute)
+                if not compute:  # a warpgroup of padding: its share of the decoding and the barriers alone
+                    keys(slot)
+                    values(slot)
                 elif whole is None:
                     carry = update(carry, slot, visible(i))
                 else:
