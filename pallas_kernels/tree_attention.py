@@ -278,9 +278,11 @@ def merge(o: jax.Array, m: jax.Array, l: jax.Array, n: int, hq: int, v_kind: str
     """The programs' softmax partials (o [Hkv, parts, r_pad, d], m and l [Hkv, parts, r_pad]) merged by
     log-sum-exp into the output [N, Hq, d] (rotated back for a rotated value type)."""
     hkv, _, _, d = o.shape
+    used = n * (hq // hkv)  # the rows past it are padding: slicing first keeps the reductions from reading them
+    o, m, l = o[:, :, :used], m[..., :used], l[..., :used]
     top = jnp.max(m, axis=1, keepdims=True)
-    w = jnp.exp(m - top)  # [hkv, parts, r_pad]; 0 for parts that saw no key
+    w = jnp.exp(m - top)  # [hkv, parts, used]; 0 for parts that saw no key
     total = jnp.sum(w * l, axis=1)
     out = jnp.sum(w[..., None] * o, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
-    out = out[:, :n * (hq // hkv)].reshape(hkv, n, hq // hkv, d).transpose(1, 0, 2, 3).reshape(n, hq, d)
+    out = out.reshape(hkv, n, hq // hkv, d).transpose(1, 0, 2, 3).reshape(n, hq, d)
     return kvq.unrotate(out) if v_kind and kvq.TYPES[v_kind].rotated else out

@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax import kv_quant as kvq
-from pallas_kernels.tree_attention import NEG, default_splits, loaded, merge, query_rows
+from pallas_kernels import tree_attention as ta
+from pallas_kernels.tree_attention import NEG, loaded, merge, query_rows
 
 ROWS = 64  # query rows a warpgroup takes: wgmma's M
 BLOCK = 64  # the most block tokens the kernel takes (the mask's two 32-bit words a row)
@@ -76,15 +77,23 @@ class Tiles:
         return w * ROWS * (2 * d + 12) + self.stages * sum(field(k) for k in kinds) + decoded + 8 * 1024
 
 
-def default_tiles(kinds: tuple[str | None, str | None], rows: int, splits: int) -> Tiles:
-    """The layout for these cache types, query rows (tokens x heads a KV head) and prefix splits, as measured on
-    an H200 (scripts/results/mgpu_attention_tiles_h200_nov29.txt): over q8_0 with more than 64 rows and 16 splits or
-    more, two warpgroups share each decoded tile (23 tree tokens at 128K: -18 %; with 5 splits at 4K the fewer
-    programs lose, and with 64 rows or fewer the second warpgroup would only multiply padding); otherwise one. A
-    row's arithmetic is the same in either, so the choice leaves every output as it was."""
-    if "q8_0" in kinds and rows > ROWS and splits >= 16:
-        return Tiles(2, 64, 2)
-    return Tiles()
+def default_tiles(kinds: tuple[str | None, str | None]) -> Tiles:
+    """The layout for these cache types, as measured on an H200 (scripts/results/mgpu_attention_defaults_h200_nov30.txt):
+    over q8_0 one warpgroup and one pipeline stage, whose 107 KiB of shared memory let two programs share a
+    multiprocessor (the kernel is latency-bound: each hides the other's waits; with `default_splits` 23 tree tokens
+    take -47 % at 4K, -6 % at 128K, one token -33 % at 128K); bf16 keeps two stages. A row's arithmetic is the same in
+    every layout."""
+    return Tiles(1, 64, 1) if "q8_0" in kinds else Tiles()
+
+
+def default_splits(slots: int, kinds: tuple[str | None, str | None]) -> int:
+    """Prefix splits for a cache of `slots` in these types: over q8_0 one per 256 slots, at most 64 (16 at 4K, 64 from
+    16K; the programs two one-stage layouts a multiprocessor need, same file); otherwise the Triton kernel's
+    (tree_attention.default_splits). The split depends on the cache alone, so a tree and a single token sum a row's
+    keys alike."""
+    if "q8_0" in kinds:
+        return max(1, min(64, slots // 256))
+    return ta.default_splits(slots)
 
 
 def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interpret: bool, tiles: Tiles,
@@ -372,7 +381,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
     values each) and a block of at most 64 tokens (k/v_blk [N, Hkv, d] in their caches' types): float32 [N, Hq, d].
     Every query must see at least one key. `interpret` runs it in Pallas' GPU interpret mode (a CPU test of its
     copies, barriers, decoding, masks and softmax: the products there are jnp's, as that mode (jax 0.10.2) takes no
-    transposed or register operand of wgmma). `tiles`: the program's layout (default: `default_tiles`)."""
+    transposed or register operand of wgmma). `splits` and `tiles` default to `default_splits` and `default_tiles`."""
     if not supports(q, k_cache, v_cache, k_blk, v_blk):
         raise ValueError(f"the Mosaic GPU tree attention takes bf16 or q8_0 caches (slots a multiple of 8), the "
                          f"block's rows in their caches' types, and blocks of at most {BLOCK} tokens with head_dim "
@@ -389,8 +398,8 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
     if hq % hkv or k_blk.shape != (n, hkv, d) or v_blk.shape != k_blk.shape:
         raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape}, block {k_blk.shape} {v_blk.shape}")
     kinds = (_kind(k_cache), _kind(v_cache))
-    splits = splits or default_splits(s)
-    tiles = tiles or default_tiles(kinds, n * (hq // hkv), splits)
+    splits = splits or default_splits(s, kinds)
+    tiles = tiles or default_tiles(kinds)
     tiles.check(d, kinds)
     if s < BLOCK:  # a cache smaller than one key block (tests, tiny contexts): pad it, it is small
         pad = lambda x: jnp.pad(jax.lax.dynamic_index_in_dim(x, layer, keepdims=True),  # noqa: E731

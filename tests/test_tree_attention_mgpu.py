@@ -118,13 +118,14 @@ def test_tiles_lower_for_cuda_on_a_cpu(tiles, n, types):
     assert "mosaic_gpu" in text
 
 
-def test_default_tiles_share_q8_0_tiles_only_where_they_won():
-    """Two warpgroups over q8_0 for more than 64 rows at 16 splits or more (a 23-node tree at 128K), one elsewhere:
-    an AR step's 6 rows, 4K's 5 splits, every bf16 cache."""
-    q8 = ("q8_0", "q8_0")
-    assert tam.default_tiles(q8, 23 * 6, 32) == tam.Tiles(2, 64, 2)
-    assert tam.default_tiles(q8, 6, 32) == tam.default_tiles(q8, 23 * 6, 5) == tam.Tiles()
-    assert tam.default_tiles((None, None), 23 * 6, 32) == tam.Tiles(1, 64, 2)
+def test_defaults_take_one_stage_and_more_splits_over_q8_0():
+    """Over q8_0 one warpgroup at one stage and one split per 256 slots up to 64, for a tree and a single token alike;
+    bf16 caches keep two stages and the Triton kernel's splits."""
+    q8, bf16 = ("q8_0", "q8_0"), (None, None)
+    assert tam.default_tiles(q8) == tam.default_tiles(("q8_0", None)) == tam.Tiles(1, 64, 1)
+    assert tam.default_tiles(bf16) == tam.Tiles(1, 64, 2)
+    assert [tam.default_splits(s, q8) for s in (40, 296, 4160, 16384, 32832, 131136)] == [1, 1, 16, 64, 64, 64]
+    assert [tam.default_splits(s, bf16) for s in (40, 4160, 131136)] == [ta.default_splits(s) for s in (40, 4160, 131136)]
 
 
 def test_tiles_refuse_what_they_cannot_run():
@@ -251,12 +252,13 @@ def test_tiles_match_the_reference(n, slots, length, splits, lo, types, tiles):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [tam.Tiles(), tam.Tiles(2, 64, 2)], ids=str)
+@pytest.mark.parametrize("tiles", [tam.Tiles(), tam.Tiles(2, 64, 2), tam.Tiles(1, 64, 1)], ids=str)
 @pytest.mark.parametrize("n,slots,length,splits,lo", [GPU_CASES[i] for i in (1, 5)])
 def test_q8_0_is_its_decoded_bf16_cache(n, slots, length, splits, lo, tiles):
     """On the GPU with wgmma: attention over q8_0 keys and values is bit for bit attention over the bf16 rows they
-    decode to."""
+    decode to (at q8_0's splits: bf16's default differs)."""
     (q, kc, vc, length, kb, vb, blk, prefix_lo), _ = gpu_case(n, slots, length, lo, TYPES[1])
+    splits = splits or tam.default_splits(slots, ("q8_0", "q8_0"))
 
     def run(kc, vc, kb, vb):
         return tam.tree_attention(q, kc, vc, length, kb, vb, blk, prefix_lo, layer=jnp.int32(1), splits=splits,
