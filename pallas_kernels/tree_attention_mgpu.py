@@ -78,17 +78,17 @@ class Tiles:
 
 
 def default_tiles(kinds: tuple[str | None, str | None]) -> Tiles:
-    """The layout for these cache types, as measured on an H200 (scripts/results/mgpu_attention_defaults_h200_nov30.txt):
-    over q8_0 one warpgroup and one pipeline stage, whose 107 KiB of shared memory let two programs share a
-    multiprocessor (the kernel is latency-bound: each hides the other's waits; with `default_splits` 23 tree tokens
-    take -47 % at 4K, -6 % at 128K, one token -33 % at 128K); bf16 keeps two stages. A row's arithmetic is the same in
-    every layout."""
+    """The layout for these cache types, as measured on an H200
+    (scripts/results/mgpu_attention_defaults_h200_nov30.txt): over q8_0 one warpgroup and one pipeline stage, whose
+    107 KiB of shared memory let two programs share a multiprocessor (the kernel is latency-bound: each hides the
+    other's waits; with `default_splits` 23 tree tokens take -47 % at 4K, -6 % at 128K, one token -33 % at 128K); bf16
+    keeps two stages. A row's arithmetic is the same in every layout."""
     return Tiles(1, 64, 1) if "q8_0" in kinds else Tiles()
 
 
 def default_splits(slots: int, kinds: tuple[str | None, str | None]) -> int:
     """Prefix splits for a cache of `slots` in these types: over q8_0 one per 256 slots, at most 64 (16 at 4K, 64 from
-    16K; the programs two one-stage layouts a multiprocessor need, same file); otherwise the Triton kernel's
+    16K: enough programs for two one-stage programs a multiprocessor, same file); otherwise the Triton kernel's
     (tree_attention.default_splits). The split depends on the cache alone, so a tree and a single token sum a row's
     keys alike."""
     if "q8_0" in kinds:
