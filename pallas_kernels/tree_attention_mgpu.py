@@ -4,17 +4,14 @@ bfloat16 and q8_0 caches and blocks of at most 64 tokens: wgmma on tiles that TM
 As the Triton kernel: GQA folded into rows (row = token * group + head within the group, per KV head), a grid of
 (row tiles, KV heads, splits + 1), program `split < splits` streaming one 1/splits share of the committed prefix
 and the last one the block's own keys under its mask, each writing a softmax partial (max, sum, unnormalised
-output) that `tree_attention.merge` adds by log-sum-exp. A program is `Tiles.warpgroups` warpgroups, each on 64
-rows (wgmma's M), sharing the key and value tiles: per step TMA brings `block_k` keys and their values ([64, 256]
-bf16 each by default, `stages` steps in flight, the copies issued by the first warpgroup as the slots free), the
+output) that `tree_attention.merge` adds by log-sum-exp. A program is one warpgroup on 64 rows (wgmma's M): per
+step TMA brings 64 keys and their values ([64, 256] bf16 each at the 27B's heads, `stages` steps in flight), the
 scores are one wgmma of q [64, d] by the keys^T from shared memory, the softmax runs on them in registers, and the
 values' product is a wgmma with p as its A operand from registers. A q8_0 field is decoded into one bf16 tile (the
-keys', then the values'), each warpgroup its share of its columns, behind a barrier all of them pass. With `exact`,
-p enters as two bf16 terms (hi + lo) as in the Triton kernel, so that a position's output does not hang on where
-the split boundaries or the running max fell. The block's mask arrives as two 32-bit words of ancestor bits per row;
-a prefix tile every row sees whole (inside its split, past the largest prefix_lo) skips the mask, and a warpgroup
-whose rows are all padding only decodes and passes the barriers, as the kernel is bound by its warps' instruction
-chains (docs/kernels.md).
+keys', then the values'). With `exact`, p enters as two bf16 terms (hi + lo) as in the Triton kernel, so that a
+position's output does not hang on where the split boundaries or the running max fell. The block's mask arrives as
+two 32-bit words of ancestor bits per row; a prefix tile every row sees whole (inside its split, past the largest
+prefix_lo) skips the mask, as the kernel is bound by its warps' instruction chains (docs/kernels.md).
 
 On a CPU the tests check that it lowers for CUDA and run it in Pallas' GPU interpret mode (`interpret=True`: its
 copies, barriers, masks, softmax and merge, the products there in jnp); its numerics with wgmma are checked on a GPU
@@ -23,7 +20,6 @@ copies, barriers, masks, softmax and merge, the products there in jnp); its nume
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -36,54 +32,39 @@ from dflash_jax import kv_quant as kvq
 from pallas_kernels import tree_attention as ta
 from pallas_kernels.tree_attention import NEG, loaded, merge, query_rows
 
-ROWS = 64  # query rows a warpgroup takes: wgmma's M
-BLOCK = 64  # the most block tokens the kernel takes (the mask's two 32-bit words a row)
+ROWS = 64  # query rows a program takes: wgmma's M
+BLOCK = 64  # the most block tokens the kernel takes (the mask's two 32-bit words a row); also the keys of a step
 SMEM_BYTES = 227 * 1024  # shared memory a Hopper block may take
 TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 tiles of 64-column swizzle units
 # q8_0's codes, 64 columns (two blocks, 64 bytes) a swizzle unit: a [64, 64] slice loads in wgmma's layout without
 # bank conflicts
 CODES = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
-# the values of a 32-key step: wgmma's K (the keys) spans one swizzle unit, 32 bf16 columns
-TILE_32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """How a program is laid out: `warpgroups` row tiles of 64 (one warpgroup each) sharing every key and value tile
-    (and its q8_0 decoding), `block_k` keys a pipeline step, `stages` steps in flight."""
-
-    warpgroups: int = 1
-    block_k: int = 64
-    stages: int = 2
-
-    def check(self, d: int, kinds: tuple[str | None, str | None]) -> None:
-        """Raises ValueError for tiles this kernel cannot run with these heads and cache types."""
-        if not 1 <= self.warpgroups <= 3 or self.block_k not in (32, 64) or not 1 <= self.stages <= 3:
-            raise ValueError(f"tree attention tiles take 1-3 warpgroups, block_k 32 or 64 and 1-3 stages, got {self}")
-        if "q8_0" in kinds and self.block_k != 64:
-            raise ValueError(f"q8_0 caches are decoded in [64, 64] tiles (wgmma's layout): block_k must be 64, "
-                             f"got {self}")
-        if self.smem_bytes(d, kinds) > SMEM_BYTES:
-            raise ValueError(f"tree attention tiles {self} at head_dim {d} over {kinds} take "
-                             f"{self.smem_bytes(d, kinds) // 1024} KiB of shared memory, more than "
-                             f"{SMEM_BYTES // 1024}")
-
-    def smem_bytes(self, d: int, kinds: tuple[str | None, str | None]) -> int:
-        """Shared memory of the pipeline's scope (q, masks, key and value stages, the decoded tile), plus 8 KiB for
-        the buffers' alignment and the barriers."""
-        field = lambda kind: self.block_k * (d + d // 32 * 2 if kind == "q8_0" else 2 * d)  # noqa: E731
-        decoded = self.block_k * d * 2 if "q8_0" in kinds else 0
-        w = self.warpgroups
-        return w * ROWS * (2 * d + 12) + self.stages * sum(field(k) for k in kinds) + decoded + 8 * 1024
+def smem_bytes(stages: int, d: int, kinds: tuple[str | None, str | None]) -> int:
+    """Shared memory of the pipeline's scope (q, lo, mask words, key and value stages, the decoded tile), plus 8 KiB
+    for the buffers' alignment and the barriers."""
+    field = lambda kind: BLOCK * (d + d // 32 * 2 if kind == "q8_0" else 2 * d)  # noqa: E731
+    decoded = BLOCK * d * 2 if "q8_0" in kinds else 0
+    return ROWS * (2 * d + 12) + stages * sum(field(k) for k in kinds) + decoded + 8 * 1024
 
 
-def default_tiles(kinds: tuple[str | None, str | None]) -> Tiles:
-    """The layout for these cache types, as measured on an H200
-    (scripts/results/mgpu_attention_defaults_h200_nov30.txt): over q8_0 one warpgroup and one pipeline stage, whose
-    107 KiB of shared memory let two programs share a multiprocessor (the kernel is latency-bound: each hides the
-    other's waits; with `default_splits` 23 tree tokens take -47 % at 4K, -6 % at 128K, one token -33 % at 128K); bf16
-    keeps two stages. A row's arithmetic is the same in every layout."""
-    return Tiles(1, 64, 1) if "q8_0" in kinds else Tiles()
+def check_stages(stages: int, d: int, kinds: tuple[str | None, str | None]) -> None:
+    """Raises ValueError for a pipeline depth this kernel cannot run with these heads and cache types."""
+    if stages not in (1, 2):
+        raise ValueError(f"the Mosaic tree attention takes 1 or 2 pipeline stages, got {stages}")
+    if smem_bytes(stages, d, kinds) > SMEM_BYTES:
+        raise ValueError(f"{stages} stages at head_dim {d} over {kinds} take {smem_bytes(stages, d, kinds) // 1024} "
+                         f"KiB of shared memory, more than {SMEM_BYTES // 1024}")
+
+
+def default_stages(kinds: tuple[str | None, str | None]) -> int:
+    """Pipeline stages for these cache types, as measured on an H200
+    (scripts/results/mgpu_attention_defaults_h200_nov30.txt): over q8_0 one, whose 107 KiB of shared memory let two
+    programs share a multiprocessor (the kernel is latency-bound: each hides the other's waits; with `default_splits`
+    23 tree tokens take -47 % at 4K, -6 % at 128K, one token -33 % at 128K); over bf16 two. A row's arithmetic is the
+    same at either depth."""
+    return 1 if "q8_0" in kinds else 2
 
 
 def default_splits(slots: int, kinds: tuple[str | None, str | None]) -> int:
@@ -96,22 +77,20 @@ def default_splits(slots: int, kinds: tuple[str | None, str | None]) -> int:
     return ta.default_splits(slots)
 
 
-def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interpret: bool, tiles: Tiles,
-            kinds: tuple[str | None, str | None], *refs):
-    # used: the query rows that are not padding (tokens x group).
+def _kernel(splits: int, slots: int, exact: bool, interpret: bool, stages: int, kinds: tuple[str | None, str | None],
+            *refs):
     # refs: len_ref, layer_ref, lo_max_ref [1] int32 (the last: the largest prefix_lo); q_ref [Hkv, R, d] bf16;
     # lo_ref [R] int32; bits_ref [2, R] int32 (the block's mask, key j at bit j % 32 of word j // 32); the keys' then
     # the values' cache fields, [layers, S, Hkv, d] bf16 or, for q8_0, qs [layers, S, Hkv, d] int8 and d [layers, S,
     # Hkv, d / 32] float16; the block's keys' then values' fields, [Hkv, 64, ...] alike; o_ref [Hkv, splits + 1, R,
     # d], m_ref and l_ref [Hkv, splits + 1, R]
     len_ref, layer_ref, lo_max_ref, q_ref, lo_ref, bits_ref, *fields, o_ref, m_ref, l_ref = refs
-    wgs, bk, stages = tiles.warpgroups, tiles.block_k, tiles.stages
+    bk = BLOCK
     widths = [2 if kind == "q8_0" else 1 for kind in kinds]
     kc_f, vc_f = fields[:widths[0]], fields[widths[0]:sum(widths)]
     kb_f, vb_f = fields[sum(widths):sum(widths) + widths[0]], fields[sum(widths) + widths[0]:]
     r_tile, h, split = jax.lax.axis_index("r"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
-    wg = jax.lax.axis_index("wg") if wgs > 1 else 0
-    rows = pl.ds((r_tile * wgs + wg) * ROWS, ROWS)
+    rows = pl.ds(r_tile * ROWS, ROWS)
     d = q_ref.shape[-1]
     row = plgpu.Layout.WGMMA.reduce(1)  # a vector over the tile's rows, as wgmma's accumulator holds them
     # GPU interpret mode (jax 0.10.2) has no plgpu.load nor layout casts: it reads the ref plainly, keeps the layout
@@ -119,49 +98,30 @@ def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interp
     cast = (lambda x, _: x) if interpret else plgpu.layout_cast  # noqa: E731
     col = cast(jax.lax.broadcasted_iota(jnp.int32, (64, 64), 1), plgpu.Layout.WGMMA)
     key = cast(jax.lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1), plgpu.Layout.WGMMA)
-    # the warpgroup that issues the copies of shared tiles
-    leader = (lambda cond: pl.when(cond & (wg == 0))) if wgs > 1 else pl.when  # noqa: E731
-
-    def attend(q_smem, k_st, v_st, dec, lo_smem, bits_smem, q_bar, k_bar, v_bar, sync_bar):
+    def attend(q_smem, k_st, v_st, dec, lo_smem, bits_smem, q_bar, k_bar, v_bar):
         # k_st, v_st: each field's pipeline stages [stages, bk, ...]; dec: the bf16 tile q8_0 fields decode into
-        # (keys', then values'), shared by the warpgroups
-        q_smem, lo_smem, bits_smem = (x.at[wg] for x in (q_smem, lo_smem, bits_smem))
+        # (keys', then values')
         at = lambda stage, slot: tuple(f.at[slot] for f in stage)  # noqa: E731
-
-        def sync():  # every warpgroup reached this point (their shared-memory stores fenced before it)
-            if wgs > 1:
-                plgpu.barrier_arrive(sync_bar)
-                plgpu.barrier_wait(sync_bar)
 
         def decode(stage):
             """q8_0's codes times their blocks' scales, rounded to bf16 (as the Triton kernel decodes them), into
-            `dec`, 64 columns (two blocks) at a time, each warpgroup its share of the columns."""
+            `dec`, 64 columns (two blocks) at a time."""
             codes, scales = stage
             for c in range(d // 64):
-                def chunk(c=c):
-                    part = codes.at[:, pl.ds(c * 64, 64)]
-                    q8 = part[...] if interpret else plgpu.load(part, (), layout=plgpu.Layout.WGMMA)
-                    per_row = [jax.lax.broadcast_in_dim(load_row(scales.at[:, 2 * c + j]).astype(jnp.float32),
-                                                        (64, 64), [0]) for j in range(2)]
-                    dec.at[:, pl.ds(c * 64, 64)][...] = (
-                        q8.astype(jnp.float32) * jnp.where(col < 32, per_row[0], per_row[1])).astype(jnp.bfloat16)
-                if wgs > 1:
-                    pl.when(wg == c % wgs)(chunk)
-                else:
-                    chunk()
+                part = codes.at[:, pl.ds(c * 64, 64)]
+                q8 = part[...] if interpret else plgpu.load(part, (), layout=plgpu.Layout.WGMMA)
+                per_row = [jax.lax.broadcast_in_dim(load_row(scales.at[:, 2 * c + j]).astype(jnp.float32),
+                                                    (64, 64), [0]) for j in range(2)]
+                dec.at[:, pl.ds(c * 64, 64)][...] = (
+                    q8.astype(jnp.float32) * jnp.where(col < 32, per_row[0], per_row[1])).astype(jnp.bfloat16)
             plgpu.commit_smem()  # the generic proxy's stores, before wgmma reads the tile
-            sync()
             return dec
 
         def keys(slot):
             return k_st[0].at[slot] if kinds[0] is None else decode(at(k_st, slot))
 
         def values(slot):
-            if kinds[1] is None:
-                return v_st[0].at[slot]
-            if kinds[0] is not None:
-                sync()  # every warpgroup's scores have read the keys from `dec`
-            return decode(at(v_st, slot))
+            return v_st[0].at[slot] if kinds[1] is None else decode(at(v_st, slot))
 
         def update(carry, slot, visible):
             # visible: which of the tile's keys each row sees, or None where every row sees all of them
@@ -200,42 +160,37 @@ def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interp
             # registers beside it)
             return m_new, l, pl.run_state(products)(plgpu.ACC.init(acc))
 
-        def pipeline(steps, fetch, visible, carry, whole=None, compute=True):
-            """`steps` key tiles through the stages: the leader issues `fetch(i, slot)` (its copies arrive on
-            k_bar[slot] and v_bar[slot]), every warpgroup folds tile i into its rows' softmax, and the slot takes
-            tile i + stages once all are done with it. Where `whole(i)` holds, every row sees all of tile i's keys
-            and its mask is left out (the same bits, fewer instructions)."""
-            @leader(True)
-            def _():
-                for i in range(stages):
-                    pl.when(i < steps)(functools.partial(fetch, i, i))
+        def pipeline(steps, fetch, visible, carry, whole=None):
+            """`steps` key tiles through the stages: `fetch(i, slot)` issues tile i's copies (they arrive on
+            k_bar[slot] and v_bar[slot]), tile i is folded into the rows' softmax, and the slot takes tile i + stages
+            once its products are done. Where `whole(i)` holds, every row sees all of tile i's keys and its mask is
+            left out (the same bits, fewer instructions)."""
+            for i in range(stages):
+                pl.when(i < steps)(functools.partial(fetch, i, i))
 
             def body(i, carry):
                 slot = jax.lax.rem(i, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                if not compute:  # a warpgroup of padding: its share of the decoding and the barriers alone
-                    keys(slot)
-                    values(slot)
-                elif whole is None:
+                if whole is None:
                     carry = update(carry, slot, visible(i))
                 else:
                     carry = jax.lax.cond(whole(i), lambda c: update(c, slot, None),
                                          lambda c: update(c, slot, visible(i)), carry)
-                sync()  # the products are done everywhere (their results are in registers): the slot is free
-                leader(i + stages < steps)(lambda: fetch(i + stages, slot))
+                # the products are done (their results are in registers): the slot is free
+                pl.when(i + stages < steps)(lambda: fetch(i + stages, slot))
                 return carry
 
             return jax.lax.fori_loop(0, steps, body, carry)
 
-        plgpu.copy_gmem_to_smem(q_ref.at[h, rows], q_smem, q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(lo_ref.at[rows], lo_smem, q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(bits_ref.at[:, rows], bits_smem, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[h, rows], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(lo_ref.at[rows], lo_smem, q_bar)
+        plgpu.copy_gmem_to_smem(bits_ref.at[:, rows], bits_smem, q_bar)
         init = (cast(jnp.full((ROWS,), NEG, jnp.float32), row), cast(jnp.zeros((ROWS,), jnp.float32), row),
                 cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA))
-        plgpu.barrier_wait(q_bar.at[wg])
+        plgpu.barrier_wait(q_bar)
 
-        def prefix(compute):
+        def prefix():
             length, layer, lo_max = len_ref[0], layer_ref[0], lo_max_ref[0]
             chunk = pl.cdiv(pl.cdiv(length, splits), bk) * bk
             start = split * chunk
@@ -259,60 +214,43 @@ def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interp
             def whole(i):  # tile i lies within [start, end) and past every row's prefix_lo
                 return (start + i * bk >= lo_max) & (start + (i + 1) * bk <= end)
 
-            return pipeline(steps, fetch, visible, init, whole, compute)
+            return pipeline(steps, fetch, visible, init, whole)
 
-        def block(compute):
+        def block():
             def fetch(i, slot):
                 for src, dst, bar in ((kb_f, k_st, k_bar), (vb_f, v_st, v_bar)):
                     for f, stage in zip(src, dst):
                         plgpu.copy_gmem_to_smem(f.at[h, pl.ds(i * bk, bk)], stage.at[slot], bar.at[slot])
 
             def visible(i):
-                if bk == 64:
-                    words = [jax.lax.broadcast_in_dim(load_row(bits_smem.at[w]), (ROWS, bk), [0]) for w in range(2)]
-                    word = jnp.where(key < 32, words[0], words[1])
-                else:  # tile i holds keys 32i..32i+31: word i
-                    word = jax.lax.broadcast_in_dim(load_row(bits_smem.at[i]), (ROWS, bk), [0])
+                words = [jax.lax.broadcast_in_dim(load_row(bits_smem.at[w]), (ROWS, bk), [0]) for w in range(2)]
+                word = jnp.where(key < 32, words[0], words[1])
                 return jax.lax.shift_right_logical(word, key & 31) & 1 != 0
 
-            return pipeline(pieces, fetch, visible, init, compute=compute)
+            return pipeline(1, fetch, visible, init)
 
-        def run(compute):
-            return jax.lax.cond(split < splits, lambda: prefix(compute), lambda: block(compute))
+        return jax.lax.cond(split < splits, prefix, block)
 
-        if wgs > 1 and pl.cdiv(used, ROWS * wgs) * ROWS * wgs - used >= ROWS:
-            # the last row tile has warpgroups of padding alone (23 tree tokens x 6 heads = 138 rows: the second
-            # 128-row tile holds 10): they decode their share and skip the scores, softmax and products
-            out = jax.lax.cond(rows.start < used, lambda: run(True), lambda: run(False))
-        else:
-            out = run(True)
-        sync()  # no warpgroup is still reading the stages when the output's scope takes their shared memory
-        return out
-
-    def stage_fields(kind, values):  # a pipeline stage's fields
+    def stage_fields(kind):  # a pipeline stage's fields
         if kind is None:
-            return (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=TILE_32 if values and bk == 32 else TILE),)
+            return (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=TILE),)
         return (plgpu.SMEM((stages, bk, d), jnp.int8, transforms=CODES),
                 plgpu.SMEM((stages, bk, d // 32), jnp.float16))
 
-    collective = dict(collective_axes="wg") if wgs > 1 else {}
     m, l, acc = pl.run_scoped(
         attend,
-        plgpu.SMEM((wgs, ROWS, d), jnp.bfloat16, transforms=TILE),
-        stage_fields(kinds[0], False), stage_fields(kinds[1], True),
+        plgpu.SMEM((ROWS, d), jnp.bfloat16, transforms=TILE),
+        stage_fields(kinds[0]), stage_fields(kinds[1]),
         plgpu.SMEM((bk, d), jnp.bfloat16, transforms=TILE) if "q8_0" in kinds else None,
-        plgpu.SMEM((wgs, ROWS), jnp.int32),
-        plgpu.SMEM((wgs, 2, ROWS), jnp.int32),
-        plgpu.Barrier(num_arrivals=3, num_barriers=wgs),  # a warpgroup's q, lo and mask words
+        plgpu.SMEM((ROWS,), jnp.int32),
+        plgpu.SMEM((2, ROWS), jnp.int32),
+        plgpu.Barrier(num_arrivals=3),  # q, lo and the mask words
         # each field's copy arrives on its stage's barrier
         plgpu.Barrier(num_arrivals=widths[0], num_barriers=stages),
         plgpu.Barrier(num_arrivals=widths[1], num_barriers=stages),
-        plgpu.Barrier(num_arrivals=wgs),
-        **collective,
     )
 
     def store(o_smem, m_smem, l_smem):
-        o_smem, m_smem, l_smem = (x.at[wg] for x in (o_smem, m_smem, l_smem))
         o_smem[...] = acc
         m_smem[...] = m
         l_smem[...] = l
@@ -322,8 +260,8 @@ def _kernel(splits: int, slots: int, pieces: int, used: int, exact: bool, interp
         plgpu.copy_smem_to_gmem(l_smem, l_ref.at[h, split, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store, plgpu.SMEM((wgs, ROWS, d), jnp.float32), plgpu.SMEM((wgs, ROWS), jnp.float32),
-                  plgpu.SMEM((wgs, ROWS), jnp.float32), **collective)
+    pl.run_scoped(store, plgpu.SMEM((ROWS, d), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
+                  plgpu.SMEM((ROWS,), jnp.float32))
 
 
 def mask_bits(blk_mask: jax.Array, group: int, r_pad: int) -> jax.Array:
@@ -371,17 +309,18 @@ def _interpret_params() -> Any:
     return InterpretGPUParams()
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "exact", "interpret", "tiles"))
+@functools.partial(jax.jit, static_argnames=("splits", "exact", "interpret", "stages"))
 def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax.Array | kvq.KVBlocks,
                    length: jax.Array, k_blk: jax.Array | kvq.KVBlocks, v_blk: jax.Array | kvq.KVBlocks,
                    blk_mask: jax.Array, prefix_lo: jax.Array, *, layer: int | jax.Array | None = None,
                    splits: int | None = None, exact: bool = True, interpret: bool = False,
-                   tiles: Tiles | None = None) -> jax.Array:
+                   stages: int | None = None) -> jax.Array:
     """pallas_kernels.tree_attention.tree_attention on caches [(layers,) S, Hkv, d] of bf16 or q8_0 rows (keys and
     values each) and a block of at most 64 tokens (k/v_blk [N, Hkv, d] in their caches' types): float32 [N, Hq, d].
     Every query must see at least one key. `interpret` runs it in Pallas' GPU interpret mode (a CPU test of its
     copies, barriers, decoding, masks and softmax: the products there are jnp's, as that mode (jax 0.10.2) takes no
-    transposed or register operand of wgmma). `splits` and `tiles` default to `default_splits` and `default_tiles`."""
+    transposed or register operand of wgmma). `splits` and `stages` default to `default_splits` and
+    `default_stages`."""
     if not supports(q, k_cache, v_cache, k_blk, v_blk):
         raise ValueError(f"the Mosaic GPU tree attention takes bf16 or q8_0 caches (slots a multiple of 8), the "
                          f"block's rows in their caches' types, and blocks of at most {BLOCK} tokens with head_dim "
@@ -399,28 +338,26 @@ def tree_attention(q: jax.Array, k_cache: jax.Array | kvq.KVBlocks, v_cache: jax
         raise ValueError(f"shapes do not fit: q {q.shape}, caches {k_cache.shape}, block {k_blk.shape} {v_blk.shape}")
     kinds = (_kind(k_cache), _kind(v_cache))
     splits = splits or default_splits(s, kinds)
-    tiles = tiles or default_tiles(kinds)
-    tiles.check(d, kinds)
+    stages = stages or default_stages(kinds)
+    check_stages(stages, d, kinds)
     if s < BLOCK:  # a cache smaller than one key block (tests, tiny contexts): pad it, it is small
         pad = lambda x: jnp.pad(jax.lax.dynamic_index_in_dim(x, layer, keepdims=True),  # noqa: E731
                                 ((0, 0), (0, BLOCK - s)) + ((0, 0),) * (x.ndim - 2))
         k_cache, v_cache = (jax.tree.map(pad, c) for c in (k_cache, v_cache))
         layer, s = 0, BLOCK
     group = hq // hkv
-    program_rows = ROWS * tiles.warpgroups
-    r_pad = pl.cdiv(n * group, program_rows) * program_rows
+    r_pad = pl.cdiv(n * group, ROWS) * ROWS
     qf, lo = query_rows(q, prefix_lo, hkv, r_pad, None)
     per_head = lambda x: jnp.pad(x.swapaxes(0, 1), ((0, 0), (0, BLOCK - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     parts = splits + 1
     fields = [f for x in (k_cache, v_cache) for f in _fields(x)]
     fields += [per_head(f) for x in (k_blk, v_blk) for f in _fields(x)]
     o, m, l = plgpu.kernel(
-        functools.partial(_kernel, splits, s, pl.cdiv(n, tiles.block_k), n * group, exact, interpret, tiles, kinds),
+        functools.partial(_kernel, splits, s, exact, interpret, stages, kinds),
         out_type=(jax.ShapeDtypeStruct((hkv, parts, r_pad, d), jnp.float32),
                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32),
                   jax.ShapeDtypeStruct((hkv, parts, r_pad), jnp.float32)),
-        grid=(r_pad // program_rows, hkv, parts), grid_names=("r", "h", "s"),
-        **(dict(num_threads=tiles.warpgroups, thread_name="wg") if tiles.warpgroups > 1 else {}),
+        grid=(r_pad // ROWS, hkv, parts), grid_names=("r", "h", "s"),
         kernel_name="tree_attention_mgpu", interpret=_interpret_params() if interpret else None,
         # written for Lane semantics (per-thread register arrays, explicit layouts); jax 0.11's default is Warpgroup
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

@@ -87,7 +87,6 @@ from pallas_kernels import qmatmul_mgpu as mg  # noqa: E402
 from pallas_kernels import qmatmul_mgpu_q6k as q6  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels.tree_attention import row_bytes, tree_attention  # noqa: E402
-from pallas_kernels.tree_attention_mgpu import Tiles as MgpuTiles  # noqa: E402
 from pallas_kernels.tree_attention_mgpu import tree_attention as tree_attention_mgpu  # noqa: E402
 from pallas_kernels.tree_conv import tree_conv  # noqa: E402
 
@@ -316,13 +315,13 @@ ATTN_KERNELS = ("triton", "mosaic", "xla")
 
 def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096, 32768), exact: bool = True,
                          kv_types: tuple[str, ...] = ("bf16",), splits: tuple[int, ...] = (),
-                         interpret: bool = False, mgpu_tiles: tuple[str, ...] = (),
+                         interpret: bool = False, mgpu_stages: tuple[int, ...] = (),
                          kernels: tuple[str, ...] = ATTN_KERNELS) -> list[dict]:
     """The 27B's tree attention (16 layers, `n` tree tokens) over a random cache of each context and type: the
     kernel at its defaults, at each prefix split of `splits`, with `sweep` at the tile variants and splits 8-64,
     and XLA's reference; `interpret` runs the kernel in interpret mode (a CPU check of the harness). On a GPU the
-    Mosaic kernel also runs at its default tiles and at each of `mgpu_tiles` ("warpgroups:block_k:stages"), each at
-    the default split and at `splits`. `kernels`: which of the Triton kernel, the Mosaic one and XLA's reference
+    Mosaic kernel also runs at its default pipeline depth and at each of `mgpu_stages`, each at the default split and
+    at `splits`. `kernels`: which of the Triton kernel, the Mosaic one and XLA's reference
     (ATTN_KERNELS) to time."""
     if set(kernels) - set(ATTN_KERNELS):
         raise ValueError(f"tree attention kernels are {ATTN_KERNELS}, got {kernels}")
@@ -352,17 +351,16 @@ def bench_tree_attention(stream: float, sweep: bool, n: int = 23, contexts=(4096
                          for b in (32, 64) for w in (4, 8) for st in (2, 3)]
             variants += [dict(splits=s) for s in (8, 32, 64)]
         if "mosaic" in kernels and kind in ("bf16", "q8_0") and not interpret and jax.default_backend() == "gpu":
-            for tiles in (None, *mgpu_tiles):
-                variants += [dict(mgpu=True, **({"tiles": tiles} if tiles else {}), **({"splits": sp} if sp else {}))
-                             for sp in (None, *splits)]
+            for stages in (None, *mgpu_stages):
+                variants += [dict(mgpu=True, **({"stages": stages} if stages else {}),
+                                  **({"splits": sp} if sp else {})) for sp in (None, *splits)]
         label = f"ctx={context:6d} N={n} {kind:5s}"
         for opts in variants:
             try:
                 if opts.get("mgpu"):
-                    sp, tiles = opts.get("splits"), opts.get("tiles")
-                    tiles = MgpuTiles(*map(int, tiles.split(":"))) if tiles else None  # None: default_tiles
-                    run = jax.jit(lambda q, cs, sp=sp, t=tiles: [
-                        tree_attention_mgpu(q, kc, vc, length, kb, vb, anc, lo, splits=sp, exact=exact, tiles=t)
+                    sp, st = opts.get("splits"), opts.get("stages")  # None: the kernel's defaults
+                    run = jax.jit(lambda q, cs, sp=sp, st=st: [
+                        tree_attention_mgpu(q, kc, vc, length, kb, vb, anc, lo, splits=sp, exact=exact, stages=st)
                         for kc, vc in cs])
                 else:
                     run = jax.jit(lambda q, cs, o=opts: [tree_attention(q, kc, vc, length, kb, vb, anc, lo,
@@ -576,8 +574,8 @@ def main(argv: list[str] | None = None) -> None:
                          "reference (default: all)")
     ap.add_argument("--attn_splits", type=int, nargs="+", default=[],
                     help="tree_attention also at these prefix splits (the default: one per 1024 slots, at most 32)")
-    ap.add_argument("--mgpu_tiles", nargs="+", default=[], metavar="WARPGROUPS:BLOCK_K:STAGES",
-                    help="tree_attention's Mosaic GPU kernel also at these tiles (tree_attention_mgpu.Tiles)")
+    ap.add_argument("--mgpu_stages", nargs="+", type=int, default=[], choices=(1, 2),
+                    help="tree_attention's Mosaic GPU kernel also at these pipeline depths (default: its own)")
     ap.add_argument("--kv_types", nargs="+", choices=KV_TYPES, default=["bf16"],
                     help="tree_attention's cache types (K and V alike)")
     ap.add_argument("--numerics", choices=NUMERICS, default=None,
@@ -603,7 +601,7 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.attn_tokens:
             rows += bench_tree_attention(stream, args.sweep, n=n, contexts=tuple(args.contexts), exact=exact,
                                          kv_types=tuple(args.kv_types), splits=tuple(args.attn_splits),
-                                         mgpu_tiles=tuple(args.mgpu_tiles), kernels=tuple(args.attn_kernels))
+                                         mgpu_stages=tuple(args.mgpu_stages), kernels=tuple(args.attn_kernels))
     if "gdn" in args.kernels:
         rows += bench_gdn(stream, exact=exact)
         if args.sweep:

@@ -3,7 +3,7 @@ a Hopper GPU: registers, spills, and the instructions of its pipeline loop (how 
 the wgmma waits).
 
     python scripts/mgpu_ptx.py --out DIR [--n 1024 --k 5120 --m 23 --fmt Q4_K]
-    python scripts/mgpu_ptx.py --out DIR --attention q8_0 [--m 23 --context 131072 --tiles 2:64:2]
+    python scripts/mgpu_ptx.py --out DIR --attention q8_0 [--m 23 --context 131072 --stages 2]
     python scripts/mgpu_ptx.py --read scripts/results/ptx/qmatmul_mgpu_wgmma_m23_h200.ptx   # a saved dump, no GPU
     python scripts/mgpu_ptx.py --read ... --sass   # also assembled for sm_90a by pip's triton (no GPU either)
 
@@ -104,10 +104,10 @@ def dump(out: Path, n: int, k: int, m: int, fmt: str = "Q4_K") -> tuple[str, str
     return _dumped(out, f"qmatmul_mgpu_{fmt.lower()}*.ptx")
 
 
-def dump_attention(out: Path, m: int, context: int, kind: str, tiles: str | None = None) -> tuple[str, str]:
+def dump_attention(out: Path, m: int, context: int, kind: str, stages: int | None = None) -> tuple[str, str]:
     """Compile and run the Mosaic tree attention (tree_attention_mgpu.py) once over a `kind` cache (bf16 or q8_0) with
-    Mosaic GPU's dumps going to `out`; the PTX and ptxas texts. `tiles`: "warpgroups:block_k:stages" (default: the
-    kernel's own choice)."""
+    Mosaic GPU's dumps going to `out`; the PTX and ptxas texts. `stages`: the pipeline's depth (default: the kernel's
+    own choice)."""
     _dump_to(out)
     import jax
     import jax.numpy as jnp
@@ -125,8 +125,7 @@ def dump_attention(out: Path, m: int, context: int, kind: str, tiles: str | None
     kc, vc = (store(jax.random.normal(k, (slots, 4, 256), jnp.bfloat16)) for k in keys[1:3])
     kb, vb = (store(jax.random.normal(k, (m, 4, 256), jnp.bfloat16)) for k in keys[3:5])
     blk, lo = jnp.asarray(random_ancestors(np.random.default_rng(0), m)), jnp.zeros((m,), jnp.int32)
-    layout = tam.Tiles(*map(int, tiles.split(":"))) if tiles else None
-    got = tam.tree_attention(q, kc, vc, jnp.int32(context), kb, vb, blk, lo, tiles=layout)
+    got = tam.tree_attention(q, kc, vc, jnp.int32(context), kb, vb, blk, lo, stages=stages)
     want = ref.tree_attention(q, *(kvq.readable(x).astype(jnp.float32) for x in (kc, vc)), jnp.int32(context),
                               *(kvq.readable(x).astype(jnp.float32) for x in (kb, vb)), blk, lo)
     print(f"relative error against the reference {float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)):.2e}")
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attention", choices=("bf16", "q8_0"),
                     help="dump the Mosaic tree attention over a cache of this type instead of a product")
     ap.add_argument("--context", type=int, default=131072, help="--attention's committed tokens")
-    ap.add_argument("--tiles", metavar="WARPGROUPS:BLOCK_K:STAGES", help="--attention's layout (default: its own)")
+    ap.add_argument("--stages", type=int, choices=(1, 2), help="--attention's pipeline depth (default: its own)")
     ap.add_argument("--sass", action="store_true", help="also assemble the PTX (pip's triton) and count the SASS")
     args = ap.parse_args(argv)
     if (args.out is None) == (args.read is None):
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         ptxas = args.read.with_suffix(".ptxas")
         ptx_text, ptxas_text = args.read.read_text(), ptxas.read_text() if ptxas.exists() else ""
     elif args.attention:
-        ptx_text, ptxas_text = dump_attention(args.out, args.m, args.context, args.attention, args.tiles)
+        ptx_text, ptxas_text = dump_attention(args.out, args.m, args.context, args.attention, args.stages)
     else:
         ptx_text, ptxas_text = dump(args.out, args.n, args.k, args.m, args.fmt)
     print(report(ptx_text, ptxas_text))

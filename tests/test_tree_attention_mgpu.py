@@ -89,57 +89,37 @@ def test_lowers_for_cuda_on_a_cpu(n, slots, types, heads):
     assert "mosaic_gpu" in text
 
 
-# program layouts beside the default: two or three warpgroups sharing the key and value tiles, 32-key steps, one
-# stage (two programs a multiprocessor)
-TILES = [tam.Tiles(2, 64, 2), tam.Tiles(3, 64, 2), tam.Tiles(2, 32, 2), tam.Tiles(3, 32, 3), tam.Tiles(1, 32, 2),
-         tam.Tiles(1, 64, 1)]
-
-
-def fits(tiles, types):
-    try:
-        tiles.check(256, tuple(None if t == "bf16" else t for t in types))
-        return True
-    except ValueError:
-        return False
-
-
-@pytest.mark.parametrize("tiles", TILES, ids=str)
-@pytest.mark.parametrize("n,types", [(23, ("bf16", "bf16")), (64, ("bf16", "bf16")), (23, ("q8_0", "q8_0")),
-                                     (9, ("q8_0", "bf16"))])
-def test_tiles_lower_for_cuda_on_a_cpu(tiles, n, types):
-    """Every layout that fits shared memory lowers at the 27B's heads (the warpgroups' shared tiles, barriers and
-    split decoding; 64 block tokens in two 32-key steps)."""
-    if not fits(tiles, types):
-        pytest.skip("more shared memory than a block takes (test_tiles_refuse_what_they_cannot_run)")
+@pytest.mark.parametrize("n,types,stages", [(23, ("bf16", "bf16"), 1), (23, ("q8_0", "q8_0"), 2),
+                                            (9, ("q8_0", "bf16"), 2)])
+def test_other_stages_lower_for_cuda_on_a_cpu(n, types, stages):
+    """The depth a type does not take by default lowers at the 27B's heads too (one stage's slot refilled after each
+    step, two stages over q8_0 beside the decoded tile)."""
     q, kc, vc, kb, vb = inputs(0, n, *TARGET_HEADS, 4160, layers=2, types=types)
     args = (q, kc, vc, jnp.int32(4000), kb, vb, jnp.tril(jnp.ones((n, n), bool)), jnp.zeros(n, jnp.int32))
-    text = jax.jit(lambda *a: tam.tree_attention(*a, layer=jnp.int32(1), tiles=tiles)).trace(*args).lower(
+    text = jax.jit(lambda *a: tam.tree_attention(*a, layer=jnp.int32(1), stages=stages)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
 def test_defaults_take_one_stage_and_more_splits_over_q8_0():
-    """Over q8_0 one warpgroup at one stage and one split per 256 slots up to 64, for a tree and a single token alike;
-    bf16 caches keep two stages and the Triton kernel's splits."""
+    """Over q8_0 one stage and one split per 256 slots up to 64, for a tree and a single token alike; bf16 caches
+    keep two stages and the Triton kernel's splits."""
     q8, bf16 = ("q8_0", "q8_0"), (None, None)
-    assert tam.default_tiles(q8) == tam.default_tiles(("q8_0", None)) == tam.Tiles(1, 64, 1)
-    assert tam.default_tiles(bf16) == tam.Tiles(1, 64, 2)
+    assert tam.default_stages(q8) == tam.default_stages(("q8_0", None)) == 1
+    assert tam.default_stages(bf16) == 2
     assert [tam.default_splits(s, q8) for s in (40, 296, 4160, 16384, 32832, 131136)] == [1, 1, 16, 64, 64, 64]
     assert [tam.default_splits(s, bf16) for s in (40, 4160, 131136)] == [1, 5, 32]  # ta.default_splits
 
 
-def test_tiles_refuse_what_they_cannot_run():
-    q, kc, vc, kb, vb = inputs(0, 23, *TARGET_HEADS, 256, layers=2)
-    args = (q, kc, vc, jnp.int32(100), kb, vb, jnp.tril(jnp.ones((23, 23), bool)), jnp.zeros(23, jnp.int32))
-    for tiles, match in ((tam.Tiles(3, 64, 2), "shared memory"), (tam.Tiles(4, 64, 1), "1-3 warpgroups"),
-                         (tam.Tiles(1, 48, 2), "block_k 32 or 64"), (tam.Tiles(1, 64, 4), "1-3 stages")):
+def test_stages_refuse_what_they_cannot_run():
+    """Three stages, and two over bf16 at head_dim 512 (more shared memory than a block takes)."""
+    for d, stages, match in ((256, 3, "1 or 2 pipeline stages"), (512, 2, "shared memory")):
+        q, kc, vc, kb, vb = inputs(0, 23, 24, 4, d, 256, layers=2)
+        args = (q, kc, vc, jnp.int32(100), kb, vb, jnp.tril(jnp.ones((23, 23), bool)), jnp.zeros(23, jnp.int32))
         with pytest.raises(ValueError, match=match):
-            tam.tree_attention(*args, layer=jnp.int32(1), tiles=tiles)
-    q8 = inputs(0, 23, *TARGET_HEADS, 256, layers=2, types=("q8_0", "q8_0"))
-    with pytest.raises(ValueError, match="block_k must be 64"):
-        tam.tree_attention(q8[0], q8[1], q8[2], jnp.int32(100), q8[3], q8[4], args[6], args[7], layer=jnp.int32(1),
-                           tiles=tam.Tiles(1, 32, 2))
-    assert tam.Tiles().smem_bytes(256, ("q8_0", "q8_0")) < tam.SMEM_BYTES
+            tam.tree_attention(*args, layer=jnp.int32(1), stages=stages)
+    assert tam.smem_bytes(2, 256, ("q8_0", "q8_0")) < tam.smem_bytes(2, 256, (None, None)) < tam.SMEM_BYTES
+    assert tam.smem_bytes(1, 256, ("q8_0", "q8_0")) < tam.SMEM_BYTES // 2  # two programs a multiprocessor
 
 
 # (N, Hq, Hkv, slots, length, splits, prefix_lo, mask): N = 1, a tree, 64 tokens; contexts of 0, 1, odd length and a
@@ -155,26 +135,22 @@ INTERPRET_CASES = ([case + (TYPES[0],) for case in CPU_CASES]
                    + [case + (types,) for case in CPU_CASES if case[0] in (23, 64) for types in TYPES[1:]])
 
 
-# q8_0 at one warpgroup: with two, the interpreter hangs now and then on a two-core machine (cause not found);
-# bf16 also at two warpgroups of 64-key steps; one stage (its slot refilled after every step) where a split takes
-# two steps
-INTERPRET_TILES = ([case + (tam.Tiles(1, 64, 2) if "q8_0" in case[-1] else None,) for case in INTERPRET_CASES]
-                   + [case + (tam.Tiles(2, 64, 2),) for case in INTERPRET_CASES[1:5]]
-                   + [CPU_CASES[5] + (types, tam.Tiles(1, 64, 1)) for types in TYPES[:2]])
+# two stages (q8_0's at two, not its default one); one stage (its slot refilled after every step) where a split
+# takes two steps
+INTERPRET_STAGES = ([case + (2,) for case in INTERPRET_CASES] + [CPU_CASES[5] + (types, 1) for types in TYPES[:2]])
 
 
-@pytest.mark.parametrize("n,hq,hkv,slots,length,splits,lo,kind,types,tiles", INTERPRET_TILES)
-def test_kernel_matches_reference_in_interpret_mode(n, hq, hkv, slots, length, splits, lo, kind, types, tiles):
+@pytest.mark.parametrize("n,hq,hkv,slots,length,splits,lo,kind,types,stages", INTERPRET_STAGES)
+def test_kernel_matches_reference_in_interpret_mode(n, hq, hkv, slots, length, splits, lo, kind, types, stages):
     """The kernel in GPU interpret mode (its copies, barriers, slot reuse, q8_0 decoding, masks, softmax and merge;
     the products there in jnp) over layer 1 of a two-layer stack, against the reference over the caches as stored
-    (dequantized). Unwritten partials would be NaN. head_dim 64, or 256 with q8_0 (the least it takes); tiles
-    None: default_tiles."""
+    (dequantized). Unwritten partials would be NaN. head_dim 64, or 256 with q8_0 (the least it takes)."""
     q, kc, vc, kb, vb = inputs(n * slots, n, hq, hkv, 256 if "q8_0" in types else 64, slots, layers=2, types=types)
     rng = np.random.default_rng(n + slots)
     blk = jnp.asarray(random_ancestors(rng, n) if kind == "tree" else np.tril(np.ones((n, n), bool)))
     prefix_lo = jnp.full((n,), lo, jnp.int32)
     args = (q, kc, vc, jnp.int32(length), kb, vb, blk, prefix_lo)
-    got = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits, interpret=True, tiles=tiles)
+    got = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits, interpret=True, stages=stages)
     assert got.shape == q.shape and bool(jnp.all(jnp.isfinite(got)))
     want = ref.tree_attention(q, readable(kc, 1), readable(vc, 1), jnp.int32(length), readable(kb), readable(vb),
                               blk, prefix_lo)
@@ -197,7 +173,7 @@ def test_q8_0_is_its_decoded_bf16_cache_in_interpret_mode(types):
 
     def run(kc, vc, kb, vb):
         return tam.tree_attention(q, kc, vc, jnp.int32(131), kb, vb, blk, lo, layer=jnp.int32(1), splits=3,
-                                  interpret=True, tiles=tam.Tiles())
+                                  interpret=True, stages=2)
 
     assert_decodes_as_bf16(run, kc, vc, kb, vb)
 
@@ -235,15 +211,14 @@ def test_kernel_matches_reference_and_the_triton_kernel(n, slots, length, splits
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", TILES, ids=str)
 @pytest.mark.parametrize("types", TYPES[:3])
 @pytest.mark.parametrize("n,slots,length,splits,lo", [GPU_CASES[i] for i in (1, 2, 3, 5, 7)])
-def test_tiles_match_the_reference(n, slots, length, splits, lo, types, tiles):
-    """The other layouts at the 27B's heads: the shapes that take several row tiles, pieces and splits."""
-    if not fits(tiles, types):
-        pytest.skip("more shared memory than a block takes")
+def test_other_stages_match_the_reference(n, slots, length, splits, lo, types):
+    """The depth a type does not take by default (two over q8_0, one over bf16) at the 27B's heads: the shapes that
+    take several row tiles and splits."""
     args, want = gpu_case(n, slots, length, lo, types)
-    got = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits, tiles=tiles)
+    stages = 3 - tam.default_stages(tuple(None if t == "bf16" else t for t in types))
+    got = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits, stages=stages)
     assert got.shape == want.shape and bool(jnp.all(jnp.isfinite(got)))
     assert rel(got, want) < 1e-2
     default = tam.tree_attention(*args, layer=jnp.int32(1), splits=splits)
@@ -252,9 +227,9 @@ def test_tiles_match_the_reference(n, slots, length, splits, lo, types, tiles):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [tam.Tiles(), tam.Tiles(2, 64, 2), tam.Tiles(1, 64, 1)], ids=str)
+@pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("n,slots,length,splits,lo", [GPU_CASES[i] for i in (1, 5)])
-def test_q8_0_is_its_decoded_bf16_cache(n, slots, length, splits, lo, tiles):
+def test_q8_0_is_its_decoded_bf16_cache(n, slots, length, splits, lo, stages):
     """On the GPU with wgmma: attention over q8_0 keys and values is bit for bit attention over the bf16 rows they
     decode to (at q8_0's splits: bf16's default differs)."""
     (q, kc, vc, length, kb, vb, blk, prefix_lo), _ = gpu_case(n, slots, length, lo, TYPES[1])
@@ -262,7 +237,7 @@ def test_q8_0_is_its_decoded_bf16_cache(n, slots, length, splits, lo, tiles):
 
     def run(kc, vc, kb, vb):
         return tam.tree_attention(q, kc, vc, length, kb, vb, blk, prefix_lo, layer=jnp.int32(1), splits=splits,
-                                  tiles=tiles)
+                                  stages=stages)
 
     assert_decodes_as_bf16(run, kc, vc, kb, vb)
 
